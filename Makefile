@@ -1,0 +1,23 @@
+# The two README commands. Both are idempotent: the venv is created once and re-synced when
+# pyproject.toml or scripts/install.sh change.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export VLLM_CACHE_ROOT ?= $(CURDIR)/.cache/vllm
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $(STAMP)
+
+demo: install
+	bash scripts/demo.sh
+
+test: install
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

@@ -1,0 +1,88 @@
+"""Causal softmax attention (the MLA core), over contiguous or paged KV, fp32.
+
+Invariant form: queries are cut into tiles of `Q_TILE` rows and keys into tiles of `KV_TILE` positions
+anchored at position 0; every score and value GEMM has one fixed shape. Each query walks the key tiles
+from position 0 with an online softmax (running max m, running sum l, accumulator acc). A tile that is
+fully masked for a query changes nothing bit-wise (exp(-inf) = 0, rescale factor exp(0) = 1), so the
+number of tiles walked (prefill vs decode, longer neighbours in the batch) never changes a query's
+output. Masked values are zeroed before use, so stale cache contents never leak (0 * NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parity.kernels.primitives import tree_sum
+
+Q_TILE = 16
+KV_TILE = 64
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    n = x.shape[dim]
+    pad = (-n) % multiple
+    if pad == 0:
+        return x
+    widths = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, pad]
+    return F.pad(x, widths)
+
+
+def attention_invariant(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [B, Tq, H, D], k: [B, S, H, D], v: [B, S, H, Dv] fp32; q_pos: [B, Tq] absolute positions
+    (key s is visible to a query at position p iff s <= p and s < kv_len[b]); kv_len: [B].
+    Returns o: [B, Tq, H, Dv]. Padded query rows must carry a position >= 0."""
+    b, tq, h, d = q.shape
+    dv = v.shape[-1]
+    qt = _pad_to(q, 1, Q_TILE).permute(0, 2, 1, 3)  # [B, H, Tq', D]
+    nq = qt.shape[2] // Q_TILE
+    qt = qt.reshape(b * h * nq, Q_TILE, d)
+    pos = _pad_to(q_pos, 1, Q_TILE).view(b, 1, nq, Q_TILE, 1).expand(b, h, nq, Q_TILE, 1).reshape(-1, Q_TILE, 1)
+    lens = kv_len.view(b, 1, 1, 1, 1).expand(b, h, nq, 1, 1).reshape(-1, 1, 1)
+    kp = _pad_to(k, 1, KV_TILE).permute(0, 2, 1, 3)  # [B, H, S', D]
+    vp = _pad_to(v, 1, KV_TILE).permute(0, 2, 1, 3)
+    m = torch.full((b * h * nq, Q_TILE, 1), float("-inf"))
+    l = torch.zeros(b * h * nq, Q_TILE, 1)
+    acc = torch.zeros(b * h * nq, Q_TILE, dv)
+    for start in range(0, kp.shape[2], KV_TILE):
+        kt = kp[:, :, start : start + KV_TILE].unsqueeze(2).expand(b, h, nq, KV_TILE, d).reshape(-1, KV_TILE, d)
+        vt = vp[:, :, start : start + KV_TILE].unsqueeze(2).expand(b, h, nq, KV_TILE, dv).reshape(-1, KV_TILE, dv)
+        key_pos = torch.arange(start, start + KV_TILE).view(1, 1, KV_TILE)
+        visible = (key_pos <= pos) & (key_pos < lens)  # [N, Q_TILE, KV_TILE]
+        key_ok = (key_pos < lens).view(-1, KV_TILE, 1)
+        vt = torch.where(key_ok, vt, torch.zeros((), dtype=vt.dtype))
+        s = torch.bmm(qt, kt.transpose(1, 2)) * scale
+        s = torch.where(visible, s, torch.full((), float("-inf")))
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe)
+        alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - m_safe))
+        l = l * alpha + tree_sum(p).unsqueeze(-1)
+        acc = acc * alpha + torch.bmm(p, vt)
+        m = m_new
+    o = acc / l
+    return o.view(b, h, nq * Q_TILE, dv)[:, :, :tq].permute(0, 2, 1, 3)
+
+
+def attention_fast(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`scaled_dot_product_attention` with an explicit mask (bits depend on shapes)."""
+    s_len = k.shape[1]
+    key_pos = torch.arange(s_len).view(1, 1, s_len)
+    mask = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))  # [B, Tq, S]
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale
+    )
+    return o.transpose(1, 2)
+
+
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, ...], block_table: [B, max_blocks] int, seq_lens: [B]
+    -> contiguous [B, max_blocks * block_size, ...]; positions >= seq_lens hold whatever the blocks hold
+    (attention masks and zeroes them)."""
+    b, nb = block_table.shape
+    gathered = cache[block_table.clamp(min=0).reshape(-1)]  # [B * nb, block_size, ...]
+    return gathered.reshape(b, nb * cache.shape[1], *cache.shape[2:])

@@ -1,0 +1,30 @@
+"""Attention Residuals mixing: a softmax-weighted mix of residual-stream candidates, fp32.
+
+For candidates c_0..c_{n-1} (block snapshots and the current partial sum) of one token:
+    s_i = w_proj . rmsnorm(c_i; w_norm, eps)     a = softmax(s)     out = sum_i a_i c_i
+The invariant form sums with `tree_sum` (scores) and adds the n weighted candidates in index order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.kernels.norms import rmsnorm_fast, rmsnorm_invariant
+from parity.kernels.primitives import tree_sum
+
+
+def attn_res_mix_invariant(cands: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """cands: [N, n, D] fp32, norm_w: [D], proj_w: [D] -> [N, D]."""
+    scores = tree_sum(rmsnorm_invariant(cands, norm_w, eps) * proj_w)  # [N, n]
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    a = e / tree_sum(e).unsqueeze(-1)
+    out = a[:, 0:1] * cands[:, 0]
+    for i in range(1, cands.shape[1]):
+        out = out + a[:, i : i + 1] * cands[:, i]
+    return out
+
+
+def attn_res_mix_fast(cands: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
+    scores = rmsnorm_fast(cands, norm_w, eps) @ proj_w  # [N, n]
+    a = torch.softmax(scores, dim=-1)
+    return torch.einsum("nc,ncd->nd", a, cands)

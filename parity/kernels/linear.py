@@ -1,0 +1,56 @@
+"""Linear layers: y = x W^T (+ LoRA term), fp32.
+
+Invariant form: rows are zero-padded to whole tiles of `TILE_ROWS` and every tile is one GEMM of the
+same fixed shape (TILE_ROWS, K) x (K, N) inside one `bmm`, so no row's reduction order depends on how
+many rows the batch has (MKL's sgemm otherwise treats the trailing `M mod 4` rows differently). Rows
+inside a tile are independent in the GEMM micro-kernel; `tests/test_kernels.py` checks that any row
+gives the same bits alone, at any position of any batch, and with any thread count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TILE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """A LoRA term scale * (x A^T) B^T; a: [r, K] fp32, b: [N, r] fp32."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+def _tiled_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] fp32, w: [N, K] fp32 -> [M, N]; every GEMM has shape (TILE_ROWS, K, N)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m == 0:
+        return x.new_zeros(0, n)
+    pad = (-m) % TILE_ROWS
+    tiles = F.pad(x, (0, 0, 0, pad)).view(-1, TILE_ROWS, k)  # [n_tiles, TILE_ROWS, K]
+    out = torch.bmm(tiles, w.t().expand(tiles.shape[0], k, n))  # [n_tiles, TILE_ROWS, N]
+    return out.reshape(-1, n)[:m]
+
+
+def linear_invariant(x: torch.Tensor, w: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
+    """x: [..., K] fp32, w: [N, K] fp32 -> [..., N]; base + scale * ((x A^T) B^T), each GEMM tiled."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _tiled_matmul(x2, w)
+    if lora is not None:
+        y = y + _tiled_matmul(_tiled_matmul(x2, lora.a), lora.b) * lora.scale
+    return y.reshape(*lead, w.shape[0])
+
+
+def linear_fast(x: torch.Tensor, w: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
+    """Plain `F.linear` (row bits depend on the batch's row count)."""
+    y = F.linear(x, w)
+    if lora is not None:
+        y = y + F.linear(F.linear(x, lora.a), lora.b) * lora.scale
+    return y

@@ -1,0 +1,78 @@
+"""MoE routing, expert compute and combine, fp32.
+
+Router (noaux_tc, one group): scores = sigmoid(x W_gate^T) (or softmax); experts are chosen by
+scores + e_score_correction_bias with a fixed tie-break (higher biased score first, then lower expert
+index); weights are the un-biased scores of the chosen experts, renormalised to sum 1 when asked, times
+`routed_scaling_factor`. Expert compute runs each expert over the rows routed to it with the tiled
+linear, so a row's result does not depend on which other rows chose that expert. Combine adds a token's
+k expert outputs in ascending expert-id order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from parity.kernels.primitives import sigmoid, tree_sum
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def route_invariant(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [N, E] fp32 -> (expert ids [N, k] ascending, weights [N, k] fp32)."""
+    if activation == "sigmoid":
+        scores = sigmoid(logits)
+    else:
+        e = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        scores = e / tree_sum(e).unsqueeze(-1)
+    biased = scores if bias is None else scores + bias
+    order = torch.sort(biased, dim=-1, descending=True, stable=True).indices
+    ids = torch.sort(order[:, :top_k], dim=-1).values
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / tree_sum(w).unsqueeze(-1)
+    return ids, w * scaling
+
+
+def route_fast(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.sigmoid(logits) if activation == "sigmoid" else torch.softmax(logits, dim=-1)
+    biased = scores if bias is None else scores + bias
+    ids = torch.topk(biased, top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w * scaling
+
+
+def experts_combine(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w1: list[torch.Tensor],
+    w3: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    linear: Linear,
+    act: Act,
+) -> torch.Tensor:
+    """x: [N, L] fp32, ids/weights: [N, k]; expert e: w1[e], w3[e]: [I, L], w2[e]: [L, I] -> [N, L].
+
+    out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n) with e = ids[n, j], j = 0..k-1 in order.
+    """
+    n, k = ids.shape
+    y = x.new_zeros(n, k, x.shape[-1])
+    flat = ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        slots = (flat == e).nonzero().squeeze(1)  # positions in [N * k]
+        rows = x[slots // k]
+        h = linear(act(linear(rows, w1[e]), linear(rows, w3[e])), w2[e])
+        y = y.index_put((slots // k, slots % k), h)
+    out = weights[:, 0:1] * y[:, 0]
+    for j in range(1, k):
+        out = out + weights[:, j : j + 1] * y[:, j]
+    return out

@@ -1,0 +1,45 @@
+"""Element-wise and reduction primitives whose per-element bits never depend on tensor layout.
+
+On CPU, ATen evaluates an element-wise op with a SIMD loop plus a scalar tail loop. For `exp`, `log`,
+`log1p`, `expm1`, `tanh`, `sqrt` and `rsqrt` both loops give the same bits (checked by
+`tests/test_kernels_primitives.py` over a million values); for `sigmoid`, `silu` and `softplus` they do
+not (about 5% of values differ by an ulp between a lone element and the same element inside a large
+tensor). So the invariant kernels build those from the safe set with IEEE-exact `+ - * /`.
+
+Reductions: `torch.sum` picks its vectorisation (and so its summation order) from the tensor's shape.
+`tree_sum` instead adds halves pairwise in one fixed order, with zero padding to a power of two
+(adding exact zeros changes nothing), so a row's sum is the same whatever else is in the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), from layout-invariant primitives."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x)."""
+    return x * sigmoid(x)
+
+
+def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
+    """log(1 + exp(x)), linear above `threshold` (as torch and the KDA gate kernels do)."""
+    return torch.where(x > threshold, x, torch.log1p(torch.exp(torch.clamp(x, max=threshold))))
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` by fixed pairwise halving; the result for one row depends on that row only."""
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]

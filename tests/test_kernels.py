@@ -1,0 +1,355 @@
+"""Invariance properties of the parity kernels (bits, `torch.equal`), their agreement with float64
+references (tolerances), and negative controls showing the same properties fail on plain torch ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity.kernels import FAST, INVARIANT, get_kernels
+from parity.kernels.attention import gather_paged
+from parity.kernels.moe import experts_combine
+from parity.kernels.primitives import sigmoid, silu, softplus, tree_sum
+
+SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
+
+
+def _first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
+    diff = (a != b).nonzero()
+    if len(diff) == 0:
+        return "equal"
+    idx = tuple(diff[0].tolist())
+    return f"first mismatch at {idx}, max |d| = {(a - b).abs().max().item():.3e}"
+
+
+def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), _first_mismatch(a, b)
+
+
+def _embed_row(row: torch.Tensor, batch: int, pos: int, seed: int) -> torch.Tensor:
+    """A random batch of `batch` rows with `row` at index `pos`."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, *row.shape, generator=g)
+    x[pos] = row
+    return x
+
+
+# --- primitives -----------------------------------------------------------------------------------
+
+def test_primitives_are_layout_invariant() -> None:
+    """exp/log/... and the derived sigmoid/silu/softplus: an element alone equals it inside a big tensor."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4096, generator=g) * 10, torch.randn(4096, generator=g) * 0.01])
+    fns = {"exp": torch.exp, "tanh": torch.tanh, "log1p": lambda t: torch.log1p(t.abs()),
+           "rsqrt": lambda t: torch.rsqrt(t.abs() + 1e-20), "sigmoid": sigmoid, "silu": silu, "softplus": softplus}
+    for name, f in fns.items():
+        whole = f(x)
+        alone = torch.cat([f(x[i : i + 3]) for i in range(0, 1200, 3)])
+        assert torch.equal(alone, whole[:1200]), f"{name}: {_first_mismatch(alone, whole[:1200])}"
+
+
+def test_torch_sigmoid_is_not_layout_invariant() -> None:
+    """Negative control: torch.sigmoid's scalar tail loop differs from its SIMD loop (why we rebuild it)."""
+    x = torch.randn(8192, generator=torch.Generator().manual_seed(0)) * 4
+    whole = torch.sigmoid(x)
+    alone = torch.cat([torch.sigmoid(x[i : i + 3]) for i in range(0, 3000, 3)])
+    assert not torch.equal(alone, whole[:3000])
+
+
+def test_tree_sum_matches_float64() -> None:
+    x = torch.randn(7, 1000)
+    torch.testing.assert_close(tree_sum(x), x.double().sum(-1).float(), rtol=1e-5, atol=1e-4)
+
+
+# --- linear ---------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(batch=st.integers(1, 70), data=st.data(), k=st.sampled_from([24, 64, 256]), n=st.sampled_from([8, 96, 512]))
+def test_linear_row_invariant(batch: int, data: st.DataObject, k: int, n: int) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    w = torch.randn(n, k)
+    row = torch.randn(k)
+    alone = INVARIANT.linear(row.unsqueeze(0), w)[0]
+    inside = INVARIANT.linear(_embed_row(row, batch, pos, batch * 7 + pos), w)[pos]
+    assert_bits(alone, inside)
+
+
+def test_linear_thread_count_invariant() -> None:
+    x, w = torch.randn(37, 256), torch.randn(512, 256)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = INVARIANT.linear(x, w)
+        torch.set_num_threads(2)
+        two = INVARIANT.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert_bits(one, two)
+
+
+def test_linear_lora_row_invariant() -> None:
+    from parity.kernels.linear import LoRA
+
+    w, lora = torch.randn(96, 64), LoRA(torch.randn(4, 64), torch.randn(96, 4), 0.5)
+    x = torch.randn(23, 64)
+    full = INVARIANT.linear(x, w, lora)
+    for i in (0, 5, 22):
+        assert_bits(INVARIANT.linear(x[i : i + 1], w, lora)[0], full[i])
+    ref = x.double() @ w.double().t() + 0.5 * (x.double() @ lora.a.double().t()) @ lora.b.double().t()
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_plain_linear_is_not_row_invariant() -> None:
+    """Negative control: F.linear changes the trailing rows for small M (MKL), so the property can fail."""
+    torch.manual_seed(0)
+    w, x = torch.randn(512, 256), torch.randn(11, 256)
+    full = F.linear(torch.cat([x, torch.randn(53, 256)]), w)
+    assert any(not torch.equal(F.linear(x[:m], w)[m - 1], full[m - 1]) for m in range(1, 12))
+
+
+# --- row-wise ops ---------------------------------------------------------------------------------
+
+@SETTINGS
+@given(batch=st.integers(1, 40), data=st.data(), d=st.sampled_from([32, 100, 256]))
+def test_rowwise_ops_row_invariant(batch: int, data: st.DataObject, d: int) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    w = torch.randn(d)
+    row, gate = torch.randn(d), torch.randn(d)
+    xs, gs = _embed_row(row, batch, pos, 1 + pos), _embed_row(gate, batch, pos, 2 + pos)
+    k = INVARIANT
+    assert_bits(k.rmsnorm(row[None], w, 1e-6)[0], k.rmsnorm(xs, w, 1e-6)[pos])
+    assert_bits(k.gated_rmsnorm(row[None], gate[None], w, 1e-6)[0], k.gated_rmsnorm(xs, gs, w, 1e-6)[pos])
+    assert_bits(k.l2norm(row[None])[0], k.l2norm(xs)[pos])
+    assert_bits(k.situ_glu(row[None], gate[None], 4.0, 25.0)[0], k.situ_glu(xs, gs, 4.0, 25.0)[pos])
+    assert_bits(k.silu_glu(row[None], gate[None])[0], k.silu_glu(xs, gs)[pos])
+    logits = xs * 3
+    tokens = torch.randint(0, d, (batch,))
+    assert_bits(k.token_logprobs(logits[pos : pos + 1], tokens[pos : pos + 1], 0.7)[0],
+                k.token_logprobs(logits, tokens, 0.7)[pos])
+
+
+def test_rowwise_ops_match_float64() -> None:
+    x, g, w = torch.randn(9, 200), torch.randn(9, 200), torch.randn(200)
+    xd, gd, wd = x.double(), g.double(), w.double()
+    rms = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    for kern in (INVARIANT, FAST):
+        torch.testing.assert_close(kern.rmsnorm(x, w, 1e-6).double(), rms, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kern.gated_rmsnorm(x, g, w, 1e-6).double(), rms * torch.sigmoid(gd), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kern.l2norm(x).double(), xd / torch.sqrt(xd.pow(2).sum(-1, keepdim=True) + 1e-6),
+                                   rtol=1e-5, atol=1e-6)
+        situ = 4 * torch.tanh(xd / 4) * torch.sigmoid(xd) * 25 * torch.tanh(gd / 25)
+        torch.testing.assert_close(kern.situ_glu(x, g, 4.0, 25.0).double(), situ, rtol=1e-5, atol=1e-5)
+        toks = torch.randint(0, 200, (9,))
+        ref = torch.log_softmax(xd / 0.7, -1).gather(1, toks[:, None])[:, 0]
+        torch.testing.assert_close(kern.token_logprobs(x, toks, 0.7).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# --- short conv -----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(t=st.integers(1, 40), data=st.data())
+def test_short_conv_any_split(t: int, data: st.DataObject) -> None:
+    """Any split of a sequence into pieces with carried state equals one pass (bits)."""
+    d, width = 24, 4
+    w = torch.randn(d, width)
+    x = torch.randn(1, t, d)
+    zero = torch.zeros(1, width - 1, d)
+    full, full_state = INVARIANT.short_conv(x, w, zero)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=5)))) if t > 1 else []
+    outs, state, start = [], zero, 0
+    for end in cuts + [t]:
+        y, state = INVARIANT.short_conv(x[:, start:end], w, state)
+        outs.append(y)
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(state, full_state)
+    ref = F.silu(F.conv1d(F.pad(x.double().transpose(1, 2), (width - 1, 0)), w.double().unsqueeze(1), groups=d)).transpose(1, 2)
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# --- KDA ------------------------------------------------------------------------------------------
+
+def _kda_inputs(b: int, t: int, h: int = 2, dk: int = 16, dv: int = 16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = INVARIANT.l2norm(torch.randn(b, t, h, dk, generator=g))
+    k = INVARIANT.l2norm(torch.randn(b, t, h, dk, generator=g))
+    v = torch.randn(b, t, h, dv, generator=g)
+    gate = INVARIANT.kda_gate(torch.randn(b, t, h, dk, generator=g), torch.zeros(h), torch.zeros(h, dk), -5.0)
+    beta = sigmoid(torch.randn(b, t, h, generator=g))
+    return q, k, v, gate, beta
+
+
+@SETTINGS
+@given(t=st.integers(2, 48), data=st.data())
+def test_kda_any_schedule_and_resume(t: int, data: st.DataObject) -> None:
+    """Prefill chunks + decode steps at random split points (and resuming from a saved state) = one pass."""
+    q, k, v, g, beta = _kda_inputs(1, t, seed=t)
+    s0 = torch.zeros(1, 2, 16, 16)
+    full, s_full = INVARIANT.kda(q, k, v, g, beta, 0.25, s0)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, t - 1), min_size=1, max_size=6))))
+    outs, s, start, saved = [], s0, 0, {}
+    for end in cuts + [t]:
+        o, s = INVARIANT.kda(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end], 0.25, s)
+        outs.append(o)
+        saved[end] = s.clone()
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(s, s_full)
+    mid = cuts[0]
+    o_resume, s_resume = INVARIANT.kda(q[:, mid:], k[:, mid:], v[:, mid:], g[:, mid:], beta[:, mid:], 0.25, saved[mid])
+    assert_bits(o_resume, full[:, mid:])
+    assert_bits(s_resume, s_full)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 6), data=st.data())
+def test_kda_batch_invariant_with_padding(batch: int, data: st.DataObject) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    t = 20
+    q, k, v, g, beta = _kda_inputs(batch, t, seed=batch)
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, t), min_size=batch, max_size=batch)))
+    valid = torch.arange(t)[None] < lens[:, None]
+    s0 = torch.randn(batch, 2, 16, 16)
+    o, s = INVARIANT.kda(q, k, v, g, beta, 0.25, s0, valid)
+    n = int(lens[pos])
+    sl = slice(pos, pos + 1)
+    o1, s1 = INVARIANT.kda(q[sl, :n], k[sl, :n], v[sl, :n], g[sl, :n], beta[sl, :n], 0.25, s0[sl])
+    assert_bits(o[sl, :n], o1)
+    assert_bits(s[sl], s1)
+
+
+def test_kda_matches_float64_and_fast() -> None:
+    q, k, v, g, beta = _kda_inputs(2, 33)
+    s0 = torch.zeros(2, 2, 16, 16, dtype=torch.float64)
+    o_ref, s_ref = FAST.kda(q.double(), k.double(), v.double(), g.double(), beta.double(), 0.25, s0)
+    for kern in (INVARIANT, FAST):
+        o, s = kern.kda(q, k, v, g, beta, 0.25, s0.float())
+        torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(s.double(), s_ref, rtol=1e-4, atol=1e-5)
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+def test_attention_decode_equals_prefill_and_paged() -> None:
+    torch.manual_seed(0)
+    b, t, h, d = 2, 150, 2, 48
+    q, k, v = torch.randn(b, t, h, d), torch.randn(b, t, h, d), torch.randn(b, t, h, 32)
+    pos = torch.arange(t).expand(b, t)
+    lens = torch.tensor([t, 97])
+    full = INVARIANT.attention(q, k, v, pos, lens, 0.2)
+    for p in (0, 1, 63, 64, 96, 149):
+        if p >= int(lens[1]):
+            continue
+        one = INVARIANT.attention(q[1:2, p : p + 1], k[1:2, : p + 1], v[1:2, : p + 1], pos[1:2, p : p + 1],
+                                  torch.tensor([p + 1]), 0.2)
+        assert_bits(one[0, 0], full[1, p])
+    # paged: scatter keys of sequence 0 into shuffled blocks with NaN garbage elsewhere
+    block = 16
+    nblk = -(-t // block)
+    perm = torch.randperm(nblk + 3)[:nblk]
+    cache_k = torch.full((nblk + 3, block, h, d), float("nan"))
+    cache_v = torch.full((nblk + 3, block, h, 32), float("nan"))
+    kp = F.pad(k[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, d)
+    vp = F.pad(v[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, 32)
+    cache_k[perm], cache_v[perm] = kp, vp
+    cache_k[perm[-1], t % block :] = float("nan")
+    cache_v[perm[-1], t % block :] = float("nan")
+    table = perm.view(1, -1)
+    paged = INVARIANT.attention(q[:1], gather_paged(cache_k, table, lens[:1]), gather_paged(cache_v, table, lens[:1]),
+                                pos[:1], lens[:1], 0.2)
+    assert_bits(paged, full[:1])
+    ref = FAST.attention(q.double(), k.double(), v.double(), pos, lens, 0.2)
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 5), data=st.data())
+def test_attention_batch_invariant(batch: int, data: st.DataObject) -> None:
+    pos_in_batch = data.draw(st.integers(0, batch - 1))
+    t = data.draw(st.integers(1, 80))
+    g = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(batch, 80, 2, 32, generator=g) for _ in range(3))
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, 80), min_size=batch, max_size=batch)))
+    lens[pos_in_batch] = t
+    pos = torch.arange(80).expand(batch, 80).clamp(max=lens[:, None] - 1)
+    full = INVARIANT.attention(q, k, v, pos, lens, 0.3)
+    i = pos_in_batch
+    alone = INVARIANT.attention(q[i : i + 1, :t], k[i : i + 1, :t], v[i : i + 1, :t], pos[i : i + 1, :t], lens[i : i + 1], 0.3)
+    assert_bits(alone[0], full[i, :t])
+
+
+# --- AttnRes --------------------------------------------------------------------------------------
+
+def test_attn_res_mix_row_invariant_and_reference() -> None:
+    c = torch.randn(13, 4, 64)
+    nw, pw = torch.randn(64), torch.randn(64)
+    full = INVARIANT.attn_res_mix(c, nw, pw, 1e-6)
+    for i in (0, 7, 12):
+        assert_bits(INVARIANT.attn_res_mix(c[i : i + 1], nw, pw, 1e-6)[0], full[i])
+    cd = c.double()
+    s = (cd * torch.rsqrt(cd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()) @ pw.double()
+    ref = (torch.softmax(s, -1).unsqueeze(-1) * cd).sum(1)
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# --- MoE ------------------------------------------------------------------------------------------
+
+def _experts(e: int, lat: int, inter: int) -> tuple[list[torch.Tensor], ...]:
+    g = torch.Generator().manual_seed(5)
+    return ([torch.randn(inter, lat, generator=g) / 8 for _ in range(e)],
+            [torch.randn(inter, lat, generator=g) / 8 for _ in range(e)],
+            [torch.randn(lat, inter, generator=g) / 8 for _ in range(e)])
+
+
+def _moe(kern, x, logits, bias, w1, w3, w2):
+    ids, w = kern.route(logits, bias, 4, True, 2.5, "sigmoid")
+    act = lambda a, b: kern.situ_glu(a, b, 4.0, 25.0)  # noqa: E731
+    return ids, experts_combine(x, ids, w, w1, w3, w2, kern.linear, act)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 40), data=st.data())
+def test_moe_token_invariant_with_ties(batch: int, data: st.DataObject) -> None:
+    """A token's routing and output are the same whatever other tokens share the batch, ties included."""
+    pos = data.draw(st.integers(0, batch - 1))
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, lat, generator=g)
+    logits = torch.randn(batch, e, generator=g)
+    logits[pos, :8] = 0.5  # eight-way tie across the top-k boundary
+    logits[pos, 8:] = -1.0 - logits[pos, 8:].abs()
+    bias = torch.zeros(e)
+    ids, out = _moe(INVARIANT, x, logits, bias, w1, w3, w2)
+    ids1, out1 = _moe(INVARIANT, x[pos : pos + 1], logits[pos : pos + 1], bias, w1, w3, w2)
+    assert_bits(ids[pos], ids1[0])
+    assert ids1[0].tolist() == [0, 1, 2, 3]  # fixed tie-break: lowest expert index first
+    assert_bits(out[pos], out1[0])
+
+
+def test_moe_matches_bruteforce_float64() -> None:
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    x, logits, bias = torch.randn(9, lat), torch.randn(9, e), torch.randn(e) * 0.1
+    ids, out = _moe(INVARIANT, x, logits, bias, w1, w3, w2)
+    sc = torch.sigmoid(logits.double())
+    for n in range(9):
+        chosen = sorted(torch.argsort(sc[n] + bias.double(), descending=True)[:4].tolist())
+        assert ids[n].tolist() == chosen
+        ws = sc[n, chosen] / sc[n, chosen].sum() * 2.5
+        ref = sum(
+            ws[j] * (w2[c].double() @ (4 * torch.tanh((w1[c].double() @ x[n].double()) / 4)
+                                       * torch.sigmoid(w1[c].double() @ x[n].double())
+                                       * 25 * torch.tanh((w3[c].double() @ x[n].double()) / 25)))
+            for j, c in enumerate(chosen)
+        )
+        torch.testing.assert_close(out[n].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown kernel backend 'auto'"):
+        get_kernels("auto")

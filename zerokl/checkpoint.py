@@ -1,0 +1,193 @@
+"""Official-format K3 checkpoints: seeded random initialisation, sharded safetensors I/O.
+
+A checkpoint directory holds `config.json`, `generation_config.json`, `model-0000i-of-0000n.safetensors`
+shards with `model.safetensors.index.json`, and a locally built tokenizer (`zerokl.tokenizer`).
+Tensor names and shapes come from `parity.weights` (text) and `zerokl.vision_weights` (vision tower).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from parity.config import ConfigError, ModelConfig, load_model_config
+from parity.weights import WeightSpec, text_specs
+from zerokl.tokenizer import build_tokenizer
+from zerokl.vision_weights import vision_specs
+
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing files or tensors; the message names what."""
+
+
+def all_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
+    """Every tensor of the checkpoint: text model, then vision tower and projector (K3 only)."""
+    specs = text_specs(cfg.text)
+    if cfg.vision is not None:
+        specs.update(vision_specs(cfg.vision, cfg.text.hidden_size))
+    return specs
+
+
+def _init_tensor(spec: WeightSpec, gen: torch.Generator) -> torch.Tensor:
+    """Draw one tensor in float32 with a per-kind scale chosen so activations stay O(1) through depth."""
+    shape = spec.shape
+    if spec.init == "linear":
+        return torch.randn(shape, generator=gen) / math.sqrt(spec.fan_in)
+    if spec.init == "embed":
+        return torch.randn(shape, generator=gen)
+    if spec.init == "norm":
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if spec.init == "bias":
+        return 0.01 * torch.randn(shape, generator=gen)
+    if spec.init == "res_proj":
+        return torch.randn(shape, generator=gen) / math.sqrt(spec.fan_in)
+    if spec.init == "a_log":
+        return torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=gen))
+    if spec.init == "dt_bias":
+        dt = torch.exp(torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        return dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    if spec.init == "conv":
+        bound = 1.0 / math.sqrt(spec.fan_in)
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+    raise ConfigError(f"unknown init kind {spec.init!r}")
+
+
+def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Seeded random weights for every tensor of `all_specs(cfg)`; fp32 specs stay fp32, the rest in `dtype`.
+
+    Invariant: the same (config, seed, dtype) gives the same bits, independent of tensor order elsewhere,
+    because each tensor draws from its own generator seeded by (seed, name).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in all_specs(cfg).items():
+        gen = torch.Generator().manual_seed(_name_seed(seed, name))
+        t = _init_tensor(spec, gen)
+        out[name] = t if spec.fp32 else t.to(dtype)
+    return out
+
+
+def _name_seed(seed: int, name: str) -> int:
+    h = 1469598103934665603
+    for ch in f"{seed}:{name}".encode():
+        h = ((h ^ ch) * 1099511628211) % (1 << 63)
+    return h
+
+
+def save_checkpoint(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    out: str | Path,
+    shard_bytes: int = 2 << 20,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write config, generation config, tokenizer and sharded safetensors with an index.
+
+    Writes into a temporary sibling directory and renames it into place, so a failure never
+    leaves a half-written checkpoint at `out`. Refuses to overwrite a non-empty directory.
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new --out directory")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        expected = all_specs(cfg)
+        missing = sorted(set(expected) - set(weights))
+        extra = sorted(set(weights) - set(expected))
+        if missing or extra:
+            raise CheckpointError(f"weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+        shards = _plan_shards(weights, shard_bytes)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: weights[n].contiguous() for n in names}, str(tmp / fname), metadata={"format": "pt"})
+            for n in names:
+                weight_map[n] = fname
+                total += weights[n].numel() * weights[n].element_size()
+            if progress:
+                progress(f"wrote {fname} ({len(names)} tensors)")
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(cfg.raw, indent=2))
+        t = cfg.text
+        gen_cfg = {"bos_token_id": t.bos_token_id, "eos_token_id": t.eos_token_id, "pad_token_id": t.pad_token_id,
+                   "do_sample": True, "temperature": 1.0}
+        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+        build_tokenizer(t.vocab_size, tmp)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _plan_shards(weights: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config and every tensor; fails naming the first missing or unexpected tensor."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
+    cfg = load_model_config(path)
+    index_path = path / INDEX_FILE
+    if index_path.exists():
+        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for fname in files:
+        with safe_open(str(path / fname), framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name)
+    expected = all_specs(cfg)
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensors missing, first: {missing[0]}")
+    if extra:
+        raise CheckpointError(f"{path}: {len(extra)} unexpected tensors, first: {extra[0]}")
+    for name, spec in expected.items():
+        if tuple(weights[name].shape) != spec.shape:
+            raise CheckpointError(f"{path}: {name} has shape {tuple(weights[name].shape)}, config says {spec.shape}")
+    return cfg, weights
+
+
+def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: str = "bfloat16",
+                    progress: Callable[[str], None] | None = None) -> Path:
+    """`zerokl init-checkpoint`: a seeded random-weight checkpoint in the official format."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    cfg = load_model_config(config_path)
+    raw = dict(cfg.raw)
+    raw["torch_dtype"] = dtype
+    cfg = ModelConfig(cfg.model_type, cfg.text, cfg.vision, raw)
+    weights = random_weights(cfg, seed, DTYPES[dtype])
+    if progress:
+        progress(f"initialised {len(weights)} tensors ({sum(t.numel() for t in weights.values()) / 1e6:.2f}M params)")
+    return save_checkpoint(cfg, weights, out, progress=progress)

@@ -1,0 +1,59 @@
+"""The `zerokl` command: one entry point, one subcommand per job.
+
+User mistakes (bad paths, bad config keys, bad flags) end with a one-line `zerokl: error: ...` and exit
+code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from parity.config import ConfigError
+from zerokl import plan
+from zerokl.checkpoint import CheckpointError, init_checkpoint
+
+USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
+
+
+def _progress(msg: str) -> None:
+    print(f"[zerokl] {msg}", file=sys.stderr, flush=True)
+
+
+def _run_init_checkpoint(args: argparse.Namespace) -> int:
+    out = init_checkpoint(args.config, args.out, seed=args.seed, dtype=args.dtype, progress=_progress)
+    print(out)
+    return 0
+
+
+def _add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("init-checkpoint", help="write a seeded random-weight checkpoint in the official K3 format")
+    p.add_argument("--config", required=True, help="model config (YAML/JSON, official HF format)")
+    p.add_argument("--out", required=True, help="new checkpoint directory (must not exist or be empty)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", help="storage dtype of non-fp32 tensors: bfloat16, float16, float32")
+    p.set_defaults(func=_run_init_checkpoint)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerokl", description="RL training-inference parity toolkit for Kimi K3")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_init_checkpoint(sub)
+    plan.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except USER_ERRORS as e:
+        print(f"zerokl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
