@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from parity.kernels import activations, attention, attn_res, conv, kda, linear, logprobs, moe, norms
+import torch
+
+from parity.kernels import activations, attention, attn_res, conv, kda, linear, logprobs, moe, norms, primitives
 
 BACKENDS = ("invariant", "fast")
 
@@ -24,6 +26,7 @@ class Kernels:
     """One backend's implementation of each op (see the op modules for shapes and formulas)."""
 
     name: str
+    sigmoid: Callable
     linear: Callable
     rmsnorm: Callable
     gated_rmsnorm: Callable
@@ -41,6 +44,7 @@ class Kernels:
 
 INVARIANT = Kernels(
     name="invariant",
+    sigmoid=primitives.sigmoid,
     linear=linear.linear_invariant,
     rmsnorm=norms.rmsnorm_invariant,
     gated_rmsnorm=norms.gated_rmsnorm_invariant,
@@ -58,6 +62,7 @@ INVARIANT = Kernels(
 
 FAST = Kernels(
     name="fast",
+    sigmoid=torch.sigmoid,
     linear=linear.linear_fast,
     rmsnorm=norms.rmsnorm_fast,
     gated_rmsnorm=norms.gated_rmsnorm_fast,

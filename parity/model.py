@@ -1,0 +1,278 @@
+"""The K3 text forward, written once on the parity kernels; both engines call it.
+
+A function of (weights, per-sequence caches, token ids, positions). It owns no parameters and imports
+no engine: the vLLM adapter and the Megatron adapter own parameters, caches and parallelism and pass
+them in. Layout: right-padded batches `[B, T]` with per-row lengths; every op is per token (linear,
+norms, MoE, AttnRes) or walks a sequence in a fixed order (KDA recurrence, tiled attention), so the
+kernels' invariance carries over to the whole model: a token's log-prob depends only on its sequence's
+tokens up to it.
+
+Semantics follow vLLM's Kimi K3 (`vllm/models/kimi_k3/nvidia/`): AttnRes block snapshots (`attn_res`),
+KDA with the full-rank gate, NoPE MLA with a sigmoid output gate, LatentMoE with SiTU and shared experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parity.config import TextConfig
+from parity.kernels import Kernels
+from parity.kernels.linear import LoRA
+from parity.kernels.moe import experts_combine
+from parity.weights import TEXT_PREFIX, layer_prefix, text_specs
+
+KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
+
+
+@dataclass
+class K3Weights:
+    """fp32 compute copies of the official tensors (names from `parity.weights`), plus optional LoRA terms
+    keyed by the base weight's name."""
+
+    cfg: TextConfig
+    tensors: dict[str, torch.Tensor]
+    lora: dict[str, LoRA] = field(default_factory=dict)
+
+    @classmethod
+    def from_official(cls, cfg: TextConfig, weights: dict[str, torch.Tensor]) -> K3Weights:
+        """Upcast every text tensor once; fails naming the first missing tensor."""
+        tensors = {}
+        for name in text_specs(cfg):
+            if name not in weights:
+                raise KeyError(f"checkpoint lacks {name}")
+            tensors[name] = weights[name].to(torch.float32)
+        return cls(cfg, tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+@dataclass
+class KDACache:
+    """Per-sequence KDA state: conv inputs of the last W-1 tokens and the recurrent state after the last token."""
+
+    conv: torch.Tensor  # [B, W-1, 3P] fp32 (q | k | v pre-conv projections)
+    state: torch.Tensor  # [B, H, K, V] fp32
+
+
+@dataclass
+class MLACache:
+    """Contiguous per-sequence MLA latents: normalised compressed kv and the (unrotated) key part."""
+
+    latent: torch.Tensor  # [B, S, kv_lora_rank + rope] fp32
+    length: torch.Tensor  # [B] int64, valid positions
+
+    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
+        """Write `new[b, :lens[b]]` after the current end of row b (grows the buffer as needed)."""
+        b, t, d = new.shape
+        need = int((self.length + lens).max()) if b else 0
+        if need > self.latent.shape[1]:
+            grown = self.latent.new_zeros(b, need, d)
+            grown[:, : self.latent.shape[1]] = self.latent
+            self.latent = grown
+        for i in range(b):
+            start, n = int(self.length[i]), int(lens[i])
+            self.latent[i, start : start + n] = new[i, :n]
+        self.length = self.length + lens
+
+
+def new_cache(cfg: TextConfig, batch: int) -> list[KDACache | MLACache]:
+    """Empty caches for `batch` new sequences, one per layer."""
+    caches: list[KDACache | MLACache] = []
+    for layer in range(cfg.num_hidden_layers):
+        if cfg.is_kda(layer):
+            d = cfg.kda_head_dim
+            caches.append(KDACache(torch.zeros(batch, cfg.conv_kernel - 1, 3 * cfg.kda_proj_size),
+                                   torch.zeros(batch, cfg.kda_num_heads, d, d)))
+        else:
+            caches.append(MLACache(torch.zeros(batch, 0, cfg.mla_latent_size), torch.zeros(batch, dtype=torch.long)))
+    return caches
+
+
+class K3Forward:
+    """Binds weights and a kernel backend; `hidden`/`logits`/`token_logprobs` run the model."""
+
+    def __init__(self, weights: K3Weights, kernels: Kernels):
+        self.w = weights
+        self.cfg = weights.cfg
+        self.k = kernels
+
+    # --- building blocks ------------------------------------------------------------------------
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return self.k.linear(x, self.w.get(name), self.w.lora.get(name))
+
+    def _norm(self, x: torch.Tensor, name: str, eps: float | None = None) -> torch.Tensor:
+        return self.k.rmsnorm(x, self.w.get(name), self.cfg.rms_norm_eps if eps is None else eps)
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        if c.hidden_act == "situ":
+            return self.k.situ_glu(gate, up, c.situ_beta or 1.0, c.situ_linear_beta)
+        return self.k.silu_glu(gate, up)
+
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """down(act(gate(x), up(x)))."""
+        return self._lin(self._act(self._lin(x, f"{p}.gate_proj.weight"), self._lin(x, f"{p}.up_proj.weight")),
+                         f"{p}.down_proj.weight")
+
+    def _moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """LatentMoE: route on x, experts in latent space (down -> experts -> [norm] -> up), plus shared experts."""
+        c = self.cfg
+        assert c.num_experts is not None
+        flat = x.reshape(-1, x.shape[-1])
+        logits = self.k.linear(flat, self.w.get(f"{p}.gate.weight"))
+        ids, weights = self.k.route(logits, self.w.get(f"{p}.gate.e_score_correction_bias"), c.num_experts_per_token,
+                                    c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
+        latent = flat if c.routed_expert_hidden_size is None else self._lin(flat, f"{p}.routed_expert_down_proj.weight")
+        e = range(c.num_experts)
+        routed = experts_combine(
+            latent, ids, weights,
+            [self.w.get(f"{p}.experts.{i}.w1.weight") for i in e],
+            [self.w.get(f"{p}.experts.{i}.w3.weight") for i in e],
+            [self.w.get(f"{p}.experts.{i}.w2.weight") for i in e],
+            self.k.linear, self._act,
+        )
+        if c.routed_expert_hidden_size is not None:
+            if c.latent_moe_use_norm:
+                routed = self._norm(routed, f"{p}.routed_expert_norm.weight")
+            routed = self._lin(routed, f"{p}.routed_expert_up_proj.weight")
+        if c.num_shared_experts:
+            routed = routed + self._mlp(flat, f"{p}.shared_experts")
+        return routed.view(x.shape)
+
+    def _kda(self, x: torch.Tensor, p: str, cache: KDACache, lens: torch.Tensor) -> torch.Tensor:
+        """KDA layer on normalised input x: [B, T, D]; updates `cache` in place."""
+        c = self.cfg
+        b, t, _ = x.shape
+        h, d = c.kda_num_heads, c.kda_head_dim
+        proj = torch.cat([self._lin(x, f"{p}.{n}_proj.weight") for n in ("q", "k", "v")], dim=-1)  # [B, T, 3P]
+        conv_w = torch.cat([self.w.get(f"{p}.{n}_conv1d.weight").squeeze(1) for n in ("q", "k", "v")])  # [3P, W]
+        conv_out, _ = self.k.short_conv(proj, conv_w, cache.conv)
+        window = torch.cat([cache.conv, proj], dim=1)  # last W-1 valid inputs start at lens[b]
+        idx = lens.view(b, 1, 1) + torch.arange(c.conv_kernel - 1).view(1, -1, 1)
+        cache.conv = window.gather(1, idx.expand(b, c.conv_kernel - 1, window.shape[-1]))
+        q, k, v = conv_out.view(b, t, 3, h, d).unbind(2)
+        q, k = self.k.l2norm(q), self.k.l2norm(k)
+        f = self._lin(self._lin(x, f"{p}.f_a_proj.weight"), f"{p}.f_b_proj.weight").view(b, t, h, d)
+        g = self.k.kda_gate(f, self.w.get(f"{p}.A_log"), self.w.get(f"{p}.dt_bias").view(h, d), c.gate_lower_bound)
+        beta = self.k.sigmoid(self._lin(x, f"{p}.b_proj.weight"))  # [B, T, H]
+        valid = torch.arange(t).view(1, t) < lens.view(b, 1)
+        o, cache.state = self.k.kda(q, k, v, g, beta, d**-0.5, cache.state, valid)
+        gate = self._lin(x, f"{p}.g_proj.weight").view(b, t, h, d)
+        o = self.k.gated_rmsnorm(o, gate, self.w.get(f"{p}.o_norm.weight"), KDA_NORM_EPS)
+        return self._lin(o.reshape(b, t, h * d), f"{p}.o_proj.weight")
+
+    def _mla(self, x: torch.Tensor, p: str, cache: MLACache, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """NoPE MLA on normalised input x: [B, T, D]; appends this step's latents to `cache`."""
+        c = self.cfg
+        b, t, _ = x.shape
+        h, dn, dr, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        if c.q_lora_rank is not None:
+            q = self._lin(self._norm(self._lin(x, f"{p}.q_a_proj.weight"), f"{p}.q_a_layernorm.weight"), f"{p}.q_b_proj.weight")
+        else:
+            q = self._lin(x, f"{p}.q_proj.weight")
+        q = q.view(b, t, h, dn + dr)
+        kv_a = self._lin(x, f"{p}.kv_a_proj_with_mqa.weight")  # [B, T, r + dr]
+        latent = torch.cat([self._norm(kv_a[..., :r], f"{p}.kv_a_layernorm.weight"), kv_a[..., r:]], dim=-1)
+        cache.append(latent, lens)
+        lat = cache.latent  # [B, S, r + dr]
+        s = lat.shape[1]
+        kv = self._lin(lat[..., :r], f"{p}.kv_b_proj.weight").view(b, s, h, dn + dv)
+        k_pe = lat[..., r:].unsqueeze(2).expand(b, s, h, dr)
+        keys = torch.cat([kv[..., :dn], k_pe], dim=-1)
+        o = self.k.attention(q, keys, kv[..., dn:], pos, cache.length, (dn + dr) ** -0.5)  # [B, T, H, dv]
+        if c.mla_use_output_gate:
+            o = o * self.k.sigmoid(self._lin(x, f"{p}.g_proj.weight").view(b, t, h, dv))
+        return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")
+
+    # --- the model ------------------------------------------------------------------------------
+    def _attn_res(self, blocks: list[torch.Tensor], prefix: torch.Tensor, norm: str, proj: str,
+                  out_norm: str | None) -> torch.Tensor:
+        """Mix block snapshots and the current prefix (softmax over proj . rmsnorm(candidate)), then `out_norm`."""
+        shape = prefix.shape
+        cands = torch.stack([*blocks, prefix], dim=-2).reshape(-1, len(blocks) + 1, shape[-1])
+        mixed = self.k.attn_res_mix(cands, self.w.get(norm), self.w.get(proj).view(-1), self.cfg.rms_norm_eps)
+        mixed = mixed.view(shape)
+        return mixed if out_norm is None else self._norm(mixed, out_norm)
+
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
+               caches: list[KDACache | MLACache], capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """ids, pos: [B, T] (right-padded; padded positions may hold anything >= 0), lens: [B]
+        -> final hidden state before the final norm: [B, T, D] fp32. `capture` receives each block's output."""
+        c = self.cfg
+        x = self.w.get(f"{TEXT_PREFIX}.model.embed_tokens.weight")[ids]
+        use_res = c.attn_res_block_size is not None
+        blocks: list[torch.Tensor] = []
+        prefix, delta = x, None
+        for layer in range(c.num_hidden_layers):
+            p = layer_prefix(layer)
+            if use_res:
+                bs = c.attn_res_block_size
+                assert bs is not None
+                if delta is not None:
+                    prefix = prefix + delta
+                if layer % bs == 0:
+                    blocks.append(prefix)
+                h_in = self._attn_res(blocks[: -(-layer // bs)], prefix, f"{p}.self_attention_res_norm.weight",
+                                      f"{p}.self_attention_res_proj.weight", f"{p}.input_layernorm.weight")
+            else:
+                if delta is not None:
+                    prefix = prefix + delta
+                h_in = self._norm(prefix, f"{p}.input_layernorm.weight")
+            cache = caches[layer]
+            if isinstance(cache, KDACache):
+                attn = self._kda(h_in, f"{p}.self_attn", cache, lens)
+            else:
+                attn = self._mla(h_in, f"{p}.self_attn", cache, pos, lens)
+            if capture is not None:
+                capture[f"layer{layer}.attn"] = attn
+            if use_res:
+                bs = c.attn_res_block_size
+                assert bs is not None
+                prefix = attn if layer % bs == 0 else prefix + attn
+                n_blocks = -(-layer // bs) + (layer % bs == 0)
+                h_mlp = self._attn_res(blocks[:n_blocks], prefix, f"{p}.mlp_res_norm.weight", f"{p}.mlp_res_proj.weight",
+                                       f"{p}.post_attention_layernorm.weight")
+            else:
+                prefix = prefix + attn
+                h_mlp = self._norm(prefix, f"{p}.post_attention_layernorm.weight")
+            delta = self._moe(h_mlp, f"{p}.block_sparse_moe") if c.is_moe(layer) else self._mlp(h_mlp, f"{p}.mlp")
+            if capture is not None:
+                capture[f"layer{layer}.mlp"] = delta
+        assert delta is not None
+        prefix = prefix + delta
+        if use_res:
+            return self._attn_res(blocks, prefix, f"{TEXT_PREFIX}.model.output_attn_res_norm.weight",
+                                  f"{TEXT_PREFIX}.model.output_attn_res_proj.weight", None)
+        return prefix
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm then lm_head: [..., D] -> [..., V] fp32."""
+        head = f"{TEXT_PREFIX}.lm_head.weight"
+        if self.cfg.tie_word_embeddings:
+            head = f"{TEXT_PREFIX}.model.embed_tokens.weight"
+        return self._lin(self._norm(hidden, f"{TEXT_PREFIX}.model.norm.weight"), head)
+
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """logits: [..., V], targets: [...] -> log_softmax(logits / temperature)[target]: [...]."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        return self.k.token_logprobs(flat, targets.reshape(-1), temperature).view(targets.shape)
+
+
+def score_sequences(fwd: K3Forward, seqs: list[list[int]], temperature: float = 1.0) -> list[torch.Tensor]:
+    """Log-prob of every token after the first, each sequence scored in one pass (the trainer's schedule).
+
+    Returns one [len - 1] fp32 tensor per sequence: entry t is log p(seq[t + 1] | seq[: t + 1])."""
+    b = len(seqs)
+    t = max(len(s) for s in seqs)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    lens = torch.tensor([len(s) for s in seqs])
+    pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
+    hidden = fwd.hidden(ids, pos, lens, new_cache(fwd.cfg, b))
+    logits = fwd.logits(hidden[:, :-1])
+    lp = fwd.token_logprobs(logits, ids[:, 1:], temperature)
+    return [lp[i, : len(s) - 1] for i, s in enumerate(seqs)]
