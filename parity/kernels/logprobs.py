@@ -1,22 +1,27 @@
-"""Log-probabilities of chosen tokens: log_softmax(logits / temperature)[token], fp32.
+"""Log-probabilities of chosen tokens under the sampling distribution: log_softmax(logits / T)[token], fp32.
 
-Invariant form: lse = m + log(tree_sum(exp(z - m))) with m the row max, z = logits / temperature.
+The invariant form is exactly the arithmetic of vLLM's sampler in `processed_logprobs` mode: divide the
+fp32 logits by the temperature as an fp32 value, then `log_softmax` over the vocabulary. ATen reduces
+each contiguous row of `log_softmax` with the same loop whatever the number of rows
+(`tests/test_kernels.py` checks a row alone against the same row in batches), so the rollout engine's
+sampler and the trainer produce the same bits from the same logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from parity.kernels.primitives import tree_sum
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits.contiguous() / torch.tensor(temperature, dtype=torch.float32)
 
 
 def token_logprobs_invariant(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits: [N, V] fp32, tokens: [N] int64 -> [N] fp32."""
-    z = logits / temperature
-    m = z.amax(dim=-1, keepdim=True)
-    lse = m.squeeze(-1) + torch.log(tree_sum(torch.exp(z - m)))
-    return z.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+    return torch.log_softmax(_scaled(logits, temperature), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 def token_logprobs_fast(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.log_softmax(logits / temperature, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    """Same value by the logsumexp identity: z[token] - logsumexp(z) (a different reduction)."""
+    z = logits / temperature
+    return z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)
