@@ -98,3 +98,16 @@ def test_logprobs_sane(weights: K3Weights) -> None:
     lp2 = score_sequences(fwd, [changed])[0]
     _assert_bits(lp2[:1], lp[:1])  # causal: positions before the change are untouched
     assert not torch.equal(lp2[3:], lp[3:])  # context matters
+
+
+def test_both_backends_match_float64_reference(weights: K3Weights) -> None:
+    """fp32 forward (either backend) vs the float64 reference on the same weights: stated fp32 bound."""
+    from parity.reference.model import ReferenceK3
+
+    cfg = load_model_config("configs/k3-tiny.yaml")
+    ref = ReferenceK3(cfg.text, random_weights(cfg, seed=0))
+    seq = _seqs(1, seed=9, lo=40, hi=41)[0]
+    expected = ref.logprobs(torch.tensor(seq), temperature=0.9)
+    for kernels in (INVARIANT, FAST):
+        got = score_sequences(K3Forward(weights, kernels), [seq], temperature=0.9)[0]
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=5e-5)

@@ -125,6 +125,8 @@ def save_checkpoint(
                    "do_sample": True, "temperature": 1.0}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
         build_tokenizer(t.vocab_size, tmp)
+        if cfg.vision is not None:
+            (tmp / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(cfg.vision.raw), indent=2))
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -132,6 +134,27 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def preprocessor_config(vision: dict) -> dict:
+    """K3's image-processor config (`KimiK25FusedVisionProcessor`); vLLM builds the processor while it
+    validates a K3 model config, so a checkpoint without this file cannot be opened. Values shape
+    image preprocessing only, never weights."""
+    merge = vision.get("merge_kernel_size", [2, 2])
+    side = vision.get("init_pos_emb_height", 64)
+    media_proc_cfg = {
+        "patch_size": vision.get("patch_size", 14),
+        "merge_kernel_size": merge[0] if isinstance(merge, list) else merge,
+        "temporal_merge_kernel_size": vision.get("init_pos_emb_time", 4),
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "in_patch_limit": side * vision.get("init_pos_emb_width", 64),
+        "patch_limit_on_one_side": side,
+        "fixed_output_tokens": None,
+        "in_patch_limit_each_frame": None,
+        "in_patch_limit_video": None,
+    }
+    return {"image_processor_type": "KimiK25FusedVisionProcessor", "media_proc_cfg": media_proc_cfg}
 
 
 def _plan_shards(weights: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:

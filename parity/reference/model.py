@@ -1,0 +1,128 @@
+"""Float64 reference of the Kimi K3 text forward for one sequence: the spec the fast paths are checked against.
+
+Follows vLLM's `KimiLinearModel.forward` / `KimiDecoderLayer` / `KimiLinearForCausalLM.compute_logits`:
+
+    x = embed(tokens); AttnRes stream from x
+    per layer i: h = attn(AttnRes_attn(i)) (KDA or MLA); m = mlp(AttnRes_mlp(i, h)) (dense GLU or LatentMoE)
+    logits = lm_head(RMSNorm_norm(AttnRes_output))
+
+Plain and slow on purpose: per-token loops in KDA and MLA, no cache, no batching. Never on a hot path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from parity.config import ConfigError, TextConfig
+from parity.reference.attn_res import AttnResStream
+from parity.reference.kda import kda_layer
+from parity.reference.mla import mla_layer
+from parity.reference.moe import moe_layer
+from parity.reference.ops import gated_mlp, glu_activation, linear, rms_norm
+from parity.weights import TEXT_PREFIX, layer_prefix, text_specs
+from zerokl.checkpoint import load_checkpoint
+
+EMBED = f"{TEXT_PREFIX}.model.embed_tokens.weight"
+FINAL_NORM = f"{TEXT_PREFIX}.model.norm.weight"
+OUTPUT_RES_NORM = f"{TEXT_PREFIX}.model.output_attn_res_norm.weight"
+OUTPUT_RES_PROJ = f"{TEXT_PREFIX}.model.output_attn_res_proj.weight"
+LM_HEAD = f"{TEXT_PREFIX}.lm_head.weight"
+
+
+class ReferenceWeightsError(ValueError):
+    """Weights that do not match the config's text tensor table; the message names the tensor."""
+
+
+def _relative(weights: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """The tensors under `prefix`, keyed by the rest of their name."""
+    return {name[len(prefix) :]: t for name, t in weights.items() if name.startswith(prefix)}
+
+
+class ReferenceK3:
+    """Float64 K3 text model for one unbatched sequence; holds float64 copies of every text tensor."""
+
+    def __init__(self, cfg: TextConfig, weights: Mapping[str, Tensor]) -> None:
+        """Check `weights` against `parity.weights.text_specs(cfg)` and copy them to float64.
+
+        Tensors outside `language_model.` (the vision tower) are ignored; a missing, misshapen or unexpected
+        text tensor raises ReferenceWeightsError naming it.
+        """
+        if cfg.attn_res_block_size is None:
+            raise ConfigError("text_config: attn_res_block_size is required (K3 uses Attention Residuals)")
+        specs = text_specs(cfg)
+        for name, spec in specs.items():
+            if name not in weights:
+                raise ReferenceWeightsError(f"missing text tensor {name}")
+            if tuple(weights[name].shape) != spec.shape:
+                raise ReferenceWeightsError(f"{name} has shape {tuple(weights[name].shape)}, config says {spec.shape}")
+        extra = sorted(n for n in weights if n.startswith(f"{TEXT_PREFIX}.") and n not in specs)
+        if extra:
+            raise ReferenceWeightsError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
+        self.cfg = cfg
+        self.weights = {name: weights[name].detach().to(torch.float64) for name in specs}
+        self.layers = [_relative(self.weights, f"{layer_prefix(i)}.") for i in range(cfg.num_hidden_layers)]
+        self.act = glu_activation(cfg)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ReferenceK3:
+        """Load an official-format checkpoint directory (`zerokl.checkpoint.load_checkpoint`)."""
+        cfg, weights = load_checkpoint(path)
+        return cls(cfg.text, weights)
+
+    def _attention(self, layer: int, x: Tensor) -> Tensor:
+        """KDA or MLA block of `layer`.  x: [T, D] f64 -> [T, D] f64."""
+        w = _relative(self.layers[layer], "self_attn.")
+        return kda_layer(x, w, self.cfg) if self.cfg.is_kda(layer) else mla_layer(x, w, self.cfg)
+
+    def _mlp(self, layer: int, x: Tensor) -> Tensor:
+        """LatentMoE or dense GLU block of `layer`.  x: [T, D] f64 -> [T, D] f64."""
+        if self.cfg.is_moe(layer):
+            return moe_layer(x, _relative(self.layers[layer], "block_sparse_moe."), self.cfg, self.act)
+        w = _relative(self.layers[layer], "mlp.")
+        return gated_mlp(x, w["gate_proj.weight"], w["up_proj.weight"], w["down_proj.weight"], self.act)
+
+    def hidden_states(self, token_ids: Tensor) -> dict[str, Tensor]:
+        """Every intermediate of one forward, for diagnosis, all [T, D] f64 except logits [T, V] f64.
+
+        Keys: "embed"; per layer i "layer{i}.attn_in" (normed AttnRes mix fed to attention), "layer{i}.attn"
+        (attention output), "layer{i}.mlp_in", "layer{i}.mlp"; "final" (AttnRes output, what vLLM's model
+        forward returns), "final_norm" (after `norm`), "logits".
+        token_ids: [T] int64.
+        """
+        cfg, w = self.cfg, self.weights
+        assert cfg.attn_res_block_size is not None
+        x = w[EMBED][token_ids]
+        states = {"embed": x}
+        stream = AttnResStream(x, cfg.attn_res_block_size, cfg.num_attn_res_blocks, cfg.rms_norm_eps)
+        for i, p in enumerate(self.layers):
+            h = stream.before_attn(i, p["self_attention_res_norm.weight"], p["self_attention_res_proj.weight"][0],
+                                   p["input_layernorm.weight"])
+            a = self._attention(i, h)
+            h2 = stream.before_mlp(i, a, p["mlp_res_norm.weight"], p["mlp_res_proj.weight"][0],
+                                   p["post_attention_layernorm.weight"])
+            m = self._mlp(i, h2)
+            stream.after_mlp(m)
+            states.update({f"layer{i}.attn_in": h, f"layer{i}.attn": a, f"layer{i}.mlp_in": h2, f"layer{i}.mlp": m})
+        final = stream.output(w[OUTPUT_RES_NORM], w[OUTPUT_RES_PROJ][0])
+        final_norm = rms_norm(final, w[FINAL_NORM], cfg.rms_norm_eps)
+        head = w[EMBED] if cfg.tie_word_embeddings else w[LM_HEAD]
+        states.update({"final": final, "final_norm": final_norm, "logits": linear(final_norm, head)})
+        return states
+
+    def forward(self, token_ids: Tensor) -> Tensor:
+        """Logits of every position.  token_ids: [T] int64 -> [T, V] f64."""
+        return self.hidden_states(token_ids)["logits"]
+
+    def logprobs(self, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
+        """lp[t] = log_softmax(logits[t] / temperature)[token_ids[t + 1]], t = 0..T-2.
+
+        token_ids: [T] int64 -> [T - 1] f64.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        lp = torch.log_softmax(self.forward(token_ids)[:-1] / temperature, dim=-1)
+        return lp.gather(1, token_ids[1:, None])[:, 0]
