@@ -203,6 +203,8 @@ class K3Forward:
         -> final hidden state before the final norm: [B, T, D] fp32. `capture` receives each block's output."""
         c = self.cfg
         x = self.w.get(f"{TEXT_PREFIX}.model.embed_tokens.weight")[ids]
+        if capture is not None:
+            capture["embed"] = x
         use_res = c.attn_res_block_size is not None
         blocks: list[torch.Tensor] = []
         prefix, delta = x, None
@@ -244,8 +246,10 @@ class K3Forward:
         assert delta is not None
         prefix = prefix + delta
         if use_res:
-            return self._attn_res(blocks, prefix, f"{TEXT_PREFIX}.model.output_attn_res_norm.weight",
-                                  f"{TEXT_PREFIX}.model.output_attn_res_proj.weight", None)
+            prefix = self._attn_res(blocks, prefix, f"{TEXT_PREFIX}.model.output_attn_res_norm.weight",
+                                    f"{TEXT_PREFIX}.model.output_attn_res_proj.weight", None)
+        if capture is not None:
+            capture["final"] = prefix
         return prefix
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
