@@ -11,10 +11,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from parity.config import ConfigError
-from zerokl import plan
+from parity.checker import DumpError
+from zerokl import parity_cmd, plan
 from zerokl.checkpoint import CheckpointError, init_checkpoint
 
-USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, DumpError, FileNotFoundError)
 
 
 def _progress(msg: str) -> None:
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_init_checkpoint(sub)
     plan.add_parser(sub)
+    parity_cmd.add_parser(sub)
     return parser
 
 

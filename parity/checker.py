@@ -1,0 +1,156 @@
+"""Compare per-token log-probs from two sources (rollout vs trainer, or any two dumps) and summarise.
+
+A dump is JSONL, one sequence per line:
+    {"id": str | int, "token_ids": [int, ...], "logprobs": [float, ...], "prompt_token_ids": [...]?}
+`logprobs[i]` is the log-prob of `token_ids[i]`. Values are fp32; JSON's shortest-repr doubles
+round-trip fp32 exactly, so a dump loses no bits.
+
+With samples drawn from the rollout policy q and r = log p_trainer - log q_rollout per token, the KL
+estimates of KL(q || p) are k1 = mean(-r), k2 = mean(r^2 / 2), k3 = mean(exp(r) - 1 - r); the importance
+ratios are exp(r). Under parity every r is exactly 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class DumpError(ValueError):
+    """A malformed log-prob dump; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class SequenceLogprobs:
+    """One sequence's sampled token ids and their fp32 log-probs."""
+
+    id: str
+    token_ids: list[int]
+    logprobs: torch.Tensor  # [n] fp32
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SequenceDiff:
+    id: str
+    tokens: int
+    bitwise_equal: int
+    max_abs_diff: float
+    first_mismatch: int | None  # token index of the first differing log-prob
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """The summary `zerokl parity` prints and writes (`--json`); keys are stable."""
+
+    tokens: int
+    bitwise_equal: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    kl_k1: float
+    kl_k2: float
+    kl_k3: float
+    ratio_min: float
+    ratio_max: float
+    sequences: list[SequenceDiff]
+
+    @property
+    def all_equal(self) -> bool:
+        return self.tokens > 0 and self.bitwise_equal == self.tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_dump(path: str | Path) -> list[SequenceLogprobs]:
+    """Read a JSONL dump; fails on the first malformed line, naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DumpError(f"{path}: no such file")
+    seqs = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ids, lps = row["token_ids"], row["logprobs"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DumpError(f"{path}:{lineno}: expected an object with token_ids and logprobs ({e})") from None
+        if len(ids) != len(lps):
+            raise DumpError(f"{path}:{lineno}: {len(ids)} token_ids but {len(lps)} logprobs")
+        seqs.append(SequenceLogprobs(str(row.get("id", lineno - 1)), [int(t) for t in ids],
+                                     torch.tensor(lps, dtype=torch.float32), list(row.get("prompt_token_ids", []))))
+    if not seqs:
+        raise DumpError(f"{path}: no sequences")
+    return seqs
+
+
+def write_dump(path: str | Path, seqs: list[SequenceLogprobs]) -> None:
+    lines = [json.dumps({"id": s.id, "prompt_token_ids": s.prompt_token_ids, "token_ids": s.token_ids,
+                         "logprobs": s.logprobs.tolist()}) for s in seqs]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def compare(rollout: list[SequenceLogprobs], trainer: list[SequenceLogprobs]) -> ParityReport:
+    """Match sequences by id and compare token by token (bits via `==` on fp32)."""
+    by_id = {s.id: s for s in trainer}
+    missing = [s.id for s in rollout if s.id not in by_id]
+    if missing or len(rollout) != len(trainer):
+        raise DumpError(f"the two dumps hold different sequences (unmatched ids: {missing[:5]})")
+    diffs, rs, abs_all = [], [], []
+    for q in rollout:
+        p = by_id[q.id]
+        if q.token_ids != p.token_ids:
+            raise DumpError(f"sequence {q.id}: token ids differ between the dumps; compare log-probs of the same tokens")
+        r = p.logprobs.double() - q.logprobs.double()
+        eq = q.logprobs == p.logprobs
+        bad = (~eq).nonzero()
+        diffs.append(SequenceDiff(q.id, len(q.token_ids), int(eq.sum()), float(r.abs().max()) if len(r) else 0.0,
+                                  int(bad[0]) if len(bad) else None))
+        rs.append(r)
+        abs_all.append(r.abs())
+    r_all = torch.cat(rs) if rs else torch.zeros(0, dtype=torch.float64)
+    n = r_all.numel()
+    ratio = torch.exp(r_all)
+    return ParityReport(
+        tokens=n,
+        bitwise_equal=sum(d.bitwise_equal for d in diffs),
+        max_abs_diff=float(r_all.abs().max()) if n else 0.0,
+        mean_abs_diff=float(r_all.abs().mean()) if n else 0.0,
+        kl_k1=float((-r_all).mean()) if n else 0.0,
+        kl_k2=float((r_all.pow(2) / 2).mean()) if n else 0.0,
+        kl_k3=float((ratio - 1 - r_all).mean()) if n else 0.0,
+        ratio_min=float(ratio.min()) if n else 1.0,
+        ratio_max=float(ratio.max()) if n else 1.0,
+        sequences=diffs,
+    )
+
+
+def format_report(rep: ParityReport, title: str = "parity") -> str:
+    """The summary table printed by `zerokl parity check|diff`."""
+    verdict = "PASS: every log-prob is bitwise equal" if rep.all_equal else "FAIL: log-probs differ"
+    rows = [
+        ("sequences", f"{len(rep.sequences)}"),
+        ("tokens compared", f"{rep.tokens}"),
+        ("bitwise equal", f"{rep.bitwise_equal} / {rep.tokens}"),
+        ("max |d logprob|", f"{rep.max_abs_diff:.3e}"),
+        ("mean |d logprob|", f"{rep.mean_abs_diff:.3e}"),
+        ("KL k1 / k2 / k3", f"{rep.kl_k1:.3e} / {rep.kl_k2:.3e} / {rep.kl_k3:.3e}"),
+        ("importance ratio", f"[{_fmt_ratio(rep.ratio_min)}, {_fmt_ratio(rep.ratio_max)}]"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"== {title}"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    worst = sorted((d for d in rep.sequences if d.first_mismatch is not None), key=lambda d: -d.max_abs_diff)[:5]
+    for d in worst:
+        lines.append(f"  seq {d.id}: first mismatch at token {d.first_mismatch}, max |d| {d.max_abs_diff:.3e}")
+    lines.append(verdict)
+    return "\n".join(lines)
+
+
+def _fmt_ratio(x: float) -> str:
+    return "1 (exact)" if x == 1.0 else f"{x:.9f}" if math.isfinite(x) else str(x)
