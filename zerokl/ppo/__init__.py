@@ -1,0 +1,1 @@
+"""The PPO loop with zero-KL checked every step."""
