@@ -111,3 +111,32 @@ def test_both_backends_match_float64_reference(weights: K3Weights) -> None:
     for kernels in (INVARIANT, FAST):
         got = score_sequences(K3Forward(weights, kernels), [seq], temperature=0.9)[0]
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=5e-5)
+
+
+def test_gradients_finite_and_match_fast_backend() -> None:
+    """Training backpropagates through the invariant forward: finite, and equal to the plain-torch
+    backend's gradients within fp32 round-off (the backward need not be invariant, only correct)."""
+    cfg = load_model_config("configs/k3-tiny.yaml")
+    grads = []
+    for kernels in (INVARIANT, FAST):
+        w = K3Weights.from_official(cfg.text, random_weights(cfg, seed=0))
+        for t in w.tensors.values():
+            t.requires_grad_(True)
+        lp = score_sequences(K3Forward(w, kernels), [list(range(5, 25)), list(range(30, 41))])
+        torch.cat(lp).sum().backward()
+        grads.append({n: t.grad for n, t in w.tensors.items() if t.grad is not None})
+    assert set(grads[0]) == set(grads[1])
+    for name, g in grads[0].items():
+        assert torch.isfinite(g).all(), name
+        scale = grads[1][name].abs().max()
+        assert (g - grads[1][name]).abs().max() <= 1e-3 * scale + 1e-7, name  # measured worst: 7e-5 of scale
+
+
+def test_sigmoid_extremes_have_finite_gradients() -> None:
+    from parity.kernels.primitives import sigmoid
+
+    x = torch.tensor([-1e4, -100.0, -20.0, 0.0, 20.0, 100.0, 1e4], requires_grad=True)
+    y = sigmoid(x)
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(y, torch.sigmoid(x.detach()), rtol=1e-6, atol=1e-30)

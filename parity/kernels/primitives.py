@@ -18,8 +18,10 @@ import torch.nn.functional as F
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)), from layout-invariant primitives."""
-    return 1.0 / (1.0 + torch.exp(-x))
+    """1 / (1 + exp(-x)) from layout-invariant primitives, via e = exp(-|x|) so that neither the value
+    nor its gradient overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below."""
+    e = torch.exp(-x.abs())
+    return torch.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""PPO run configs: small YAML files validated into typed objects; errors name the bad key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from parity.config import ConfigError
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """One PPO run. `model` is a model config (YAML) or a checkpoint directory."""
+
+    model: str
+    task: str = "addition"
+    task_args: dict[str, int] | None = None
+    steps: int = 100
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    max_tokens: int = 8
+    lr: float = 3e-3
+    clip: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    advantage: str = "grpo"
+    normalize_adv_std: bool = False
+    grad_clip: float = 1.0
+    seed: int = 0
+    kernels: str = "invariant"
+    on_mismatch: str = "stop"
+    sync: str = "in_process"
+    checkpoint_every: int = 25
+    wandb: str = "offline"
+
+    def __post_init__(self) -> None:
+        _choice("advantage", self.advantage, ("grpo", "gae"))
+        _choice("kernels", self.kernels, ("invariant", "fast"))
+        _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
+        _choice("sync", self.sync, ("in_process", "disk", "torch_distributed"))
+        _choice("wandb", self.wandb, ("offline", "online", "disabled"))
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_prompt < 2 and self.advantage == "grpo":
+            raise ConfigError("ppo config: samples_per_prompt must be >= 2 for the GRPO group baseline")
+        if not self.temperature > 0:
+            raise ConfigError(f"ppo config: temperature must be > 0, got {self.temperature}")
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"ppo config: {key} must be one of {', '.join(options)}, got {value!r}")
+
+
+def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
+    """Read YAML, reject unknown keys (naming them), apply CLI overrides that are not None."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"ppo config not found: {p}")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping")
+    known = {f.name for f in fields(PPOConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    if "model" not in raw:
+        raise ConfigError(f"{p}: missing required key 'model'")
+    model = Path(raw["model"])
+    if not model.is_absolute() and not model.exists():
+        model = p.parent.parent / model  # configs are written relative to the repo root
+    raw["model"] = str(model)
+    try:
+        return PPOConfig(**raw)
+    except TypeError as e:
+        raise ConfigError(f"{p}: {e}") from None
