@@ -21,8 +21,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TextConfig:
-    """The text model of K3 (KimiLinearConfig fields vLLM reads), layer indices 0-based."""
+    """The text model of K3 (KimiLinearConfig fields vLLM reads), layer indices 0-based.
 
+    Kimi Linear is this model with K3's switches off: no `attn_res_block_size` (plain residual stream),
+    `hidden_act` silu (no SiTU), no `routed_expert_hidden_size` (plain MoE), no `use_full_rank_gate`
+    (low-rank KDA output gate), and in its released config no MLA output gate and no q-LoRA."""
+
+    checkpoint_family: str  # "kimi_k3" or "kimi_linear": which official tensor names (parity.weights.TextNames)
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -38,7 +43,7 @@ class TextConfig:
     kda_num_heads: int
     kda_head_dim: int
     conv_kernel: int
-    use_full_rank_gate: bool
+    use_full_rank_gate: bool  # KDA output gate: full-rank g_proj (K3) or low-rank g_a_proj -> g_b_proj (Kimi Linear)
     gate_lower_bound: float | None
     # MLA (full attention) layers
     num_attention_heads: int
@@ -136,8 +141,11 @@ def _get(d: dict[str, Any], key: str, where: str, default: Any = ..., kind: type
     return value
 
 
-def parse_text_config(d: dict[str, Any], where: str = "text_config") -> TextConfig:
-    """Validate a KimiLinearConfig-style dict; layer lists in the file are 1-based, as vLLM reads them."""
+def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "text_config") -> TextConfig:
+    """Validate a KimiLinearConfig-style dict; layer lists in the file are 1-based, as vLLM reads them.
+
+    `checkpoint_family` is the checkpoint's top-level model_type ("kimi_k3" or "kimi_linear"): the text
+    dict itself says `kimi_linear` in both, but the two families name their tensors differently."""
     lac = _get(d, "linear_attn_config", where, kind=dict)
     n_layers = _get(d, "num_hidden_layers", where, kind=int)
     kda_1 = _get(lac, "kda_layers", f"{where}.linear_attn_config", kind=list)
@@ -162,6 +170,7 @@ def parse_text_config(d: dict[str, Any], where: str = "text_config") -> TextConf
         raise ConfigError(f"{where}: only num_expert_group = topk_group = 1 is supported (K3 routes in one group)")
     num_experts = d.get("num_experts")
     return TextConfig(
+        checkpoint_family=checkpoint_family,
         vocab_size=_get(d, "vocab_size", where, kind=int),
         hidden_size=_get(d, "hidden_size", where, kind=int),
         num_hidden_layers=n_layers,
@@ -210,11 +219,11 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     """Accept `kimi_k3` (text_config + vision_config) or a bare `kimi_linear` config."""
     model_type = raw.get("model_type")
     if model_type == "kimi_k3":
-        text = parse_text_config(_get(raw, "text_config", "config", kind=dict))
+        text = parse_text_config(_get(raw, "text_config", "config", kind=dict), "kimi_k3")
         vision = raw.get("vision_config")
         return ModelConfig("kimi_k3", text, VisionConfig(vision) if vision else None, raw)
     if model_type == "kimi_linear":
-        return ModelConfig("kimi_linear", parse_text_config(raw, "config"), None, raw)
+        return ModelConfig("kimi_linear", parse_text_config(raw, "kimi_linear", "config"), None, raw)
     raise ConfigError(f"config: model_type must be 'kimi_k3' or 'kimi_linear', got {model_type!r}")
 
 

@@ -9,6 +9,8 @@ tokens up to it.
 
 Semantics follow vLLM's Kimi K3 (`vllm/models/kimi_k3/nvidia/`): AttnRes block snapshots (`attn_res`),
 KDA with the full-rank gate, NoPE MLA with a sigmoid output gate, LatentMoE with SiTU and shared experts.
+Kimi Linear checkpoints run the same code with those switches off (`TextConfig`): plain pre-norm residual
+stream, SiLU, plain MoE, Kimi Linear's low-rank KDA output gate; tensor names come from `parity.weights`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.kernels.linear import LoRA
 from parity.kernels.moe import experts_combine
-from parity.weights import TEXT_PREFIX, layer_prefix, text_specs
+from parity.weights import text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
 
@@ -78,16 +80,18 @@ class MLACache:
         self.length = self.length + lens
 
 
-def new_cache(cfg: TextConfig, batch: int) -> list[KDACache | MLACache]:
-    """Empty caches for `batch` new sequences, one per layer."""
+def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype = torch.float32) -> list[KDACache | MLACache]:
+    """Empty caches for `batch` new sequences, one per layer; `dtype` is the weights' compute dtype
+    (fp32 on every parity path; float64 only for gradient checks)."""
     caches: list[KDACache | MLACache] = []
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_kda(layer):
             d = cfg.kda_head_dim
-            caches.append(KDACache(torch.zeros(batch, cfg.conv_kernel - 1, 3 * cfg.kda_proj_size),
-                                   torch.zeros(batch, cfg.kda_num_heads, d, d)))
+            caches.append(KDACache(torch.zeros(batch, cfg.conv_kernel - 1, 3 * cfg.kda_proj_size, dtype=dtype),
+                                   torch.zeros(batch, cfg.kda_num_heads, d, d, dtype=dtype)))
         else:
-            caches.append(MLACache(torch.zeros(batch, 0, cfg.mla_latent_size), torch.zeros(batch, dtype=torch.long)))
+            caches.append(MLACache(torch.zeros(batch, 0, cfg.mla_latent_size, dtype=dtype),
+                                   torch.zeros(batch, dtype=torch.long)))
     return caches
 
 
@@ -97,6 +101,7 @@ class K3Forward:
     def __init__(self, weights: K3Weights, kernels: Kernels):
         self.w = weights
         self.cfg = weights.cfg
+        self.names = text_names(weights.cfg)
         self.k = kernels
 
     # --- building blocks ------------------------------------------------------------------------
@@ -126,14 +131,7 @@ class K3Forward:
         ids, weights = self.k.route(logits, self.w.get(f"{p}.gate.e_score_correction_bias"), c.num_experts_per_token,
                                     c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
         latent = flat if c.routed_expert_hidden_size is None else self._lin(flat, f"{p}.routed_expert_down_proj.weight")
-        e = range(c.num_experts)
-        routed = experts_combine(
-            latent, ids, weights,
-            [self.w.get(f"{p}.experts.{i}.w1.weight") for i in e],
-            [self.w.get(f"{p}.experts.{i}.w3.weight") for i in e],
-            [self.w.get(f"{p}.experts.{i}.w2.weight") for i in e],
-            self.k.linear, self._act,
-        )
+        routed = self._routed_experts(latent, ids, weights, p)
         if c.routed_expert_hidden_size is not None:
             if c.latent_moe_use_norm:
                 routed = self._norm(routed, f"{p}.routed_expert_norm.weight")
@@ -141,6 +139,18 @@ class K3Forward:
         if c.num_shared_experts:
             routed = routed + self._mlp(flat, f"{p}.shared_experts")
         return routed.view(x.shape)
+
+    def _routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
+        """x: [N, L], ids/weights: [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x): [N, L] (`experts_combine`).
+        Hook: an expert-parallel engine overrides this to run the experts it owns and exchange rows."""
+        e = range(self.cfg.num_experts or 0)
+        return experts_combine(
+            x, ids, weights,
+            [self.w.get(f"{p}.experts.{i}.w1.weight") for i in e],
+            [self.w.get(f"{p}.experts.{i}.w3.weight") for i in e],
+            [self.w.get(f"{p}.experts.{i}.w2.weight") for i in e],
+            self.k.linear, self._act,
+        )
 
     def _kda(self, x: torch.Tensor, p: str, cache: KDACache, lens: torch.Tensor) -> torch.Tensor:
         """KDA layer on normalised input x: [B, T, D]; updates `cache` in place."""
@@ -156,11 +166,15 @@ class K3Forward:
         q, k, v = conv_out.view(b, t, 3, h, d).unbind(2)
         q, k = self.k.l2norm(q), self.k.l2norm(k)
         f = self._lin(self._lin(x, f"{p}.f_a_proj.weight"), f"{p}.f_b_proj.weight").view(b, t, h, d)
-        g = self.k.kda_gate(f, self.w.get(f"{p}.A_log"), self.w.get(f"{p}.dt_bias").view(h, d), c.gate_lower_bound)
+        a_log = self.w.get(f"{p}.A_log").view(h)  # K3 stores [H], Kimi Linear [1, 1, H, 1]
+        g = self.k.kda_gate(f, a_log, self.w.get(f"{p}.dt_bias").view(h, d), c.gate_lower_bound)
         beta = self.k.sigmoid(self._lin(x, f"{p}.b_proj.weight"))  # [B, T, H]
         valid = torch.arange(t).view(1, t) < lens.view(b, 1)
         o, cache.state = self.k.kda(q, k, v, g, beta, d**-0.5, cache.state, valid)
-        gate = self._lin(x, f"{p}.g_proj.weight").view(b, t, h, d)
+        if c.use_full_rank_gate:
+            gate = self._lin(x, f"{p}.g_proj.weight").view(b, t, h, d)
+        else:  # Kimi Linear's low-rank output gate
+            gate = self._lin(self._lin(x, f"{p}.g_a_proj.weight"), f"{p}.g_b_proj.weight").view(b, t, h, d)
         o = self.k.gated_rmsnorm(o, gate, self.w.get(f"{p}.o_norm.weight"), KDA_NORM_EPS)
         return self._lin(o.reshape(b, t, h * d), f"{p}.o_proj.weight")
 
@@ -188,6 +202,10 @@ class K3Forward:
         return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")
 
     # --- the model ------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: ids [B, T] -> [B, T, D] (a row copy). Hook: a vocab-parallel engine overrides it."""
+        return self.w.get(self.names.embed)[ids]
+
     def _attn_res(self, blocks: list[torch.Tensor], prefix: torch.Tensor, norm: str, proj: str,
                   out_norm: str | None) -> torch.Tensor:
         """Mix block snapshots and the current prefix (softmax over proj . rmsnorm(candidate)), then `out_norm`."""
@@ -202,14 +220,14 @@ class K3Forward:
         """ids, pos: [B, T] (right-padded; padded positions may hold anything >= 0), lens: [B]
         -> final hidden state before the final norm: [B, T, D] fp32. `capture` receives each block's output."""
         c = self.cfg
-        x = self.w.get(f"{TEXT_PREFIX}.model.embed_tokens.weight")[ids]
+        x = self.embed(ids)
         if capture is not None:
             capture["embed"] = x
         use_res = c.attn_res_block_size is not None
         blocks: list[torch.Tensor] = []
         prefix, delta = x, None
         for layer in range(c.num_hidden_layers):
-            p = layer_prefix(layer)
+            p = self.names.layer(layer)
             if use_res:
                 bs = c.attn_res_block_size
                 assert bs is not None
@@ -246,18 +264,15 @@ class K3Forward:
         assert delta is not None
         prefix = prefix + delta
         if use_res:
-            prefix = self._attn_res(blocks, prefix, f"{TEXT_PREFIX}.model.output_attn_res_norm.weight",
-                                    f"{TEXT_PREFIX}.model.output_attn_res_proj.weight", None)
+            prefix = self._attn_res(blocks, prefix, self.names.output_res_norm, self.names.output_res_proj, None)
         if capture is not None:
             capture["final"] = prefix
         return prefix
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm then lm_head: [..., D] -> [..., V] fp32."""
-        head = f"{TEXT_PREFIX}.lm_head.weight"
-        if self.cfg.tie_word_embeddings:
-            head = f"{TEXT_PREFIX}.model.embed_tokens.weight"
-        return self._lin(self._norm(hidden, f"{TEXT_PREFIX}.model.norm.weight"), head)
+        head = self.names.embed if self.cfg.tie_word_embeddings else self.names.lm_head
+        return self._lin(self._norm(hidden, self.names.norm), head)
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """logits: [..., V], targets: [...] -> log_softmax(logits / temperature)[target]: [...]."""

@@ -1,9 +1,12 @@
-"""The one table of K3 text weight names, shapes and storage dtypes, in the official checkpoint naming.
+"""The one table of K3 / Kimi Linear text weight names, shapes and storage dtypes, in the official naming.
 
-Names are those of the official Kimi K3 HF checkpoints as vLLM's `KimiK3ForConditionalGeneration`
-loader accepts them (`language_model.layers.N.` is mapped by its `hf_to_vllm_mapper`; the stacked
-projections such as `in_proj_qkvgfab` and `fused_qkv_a_g_proj` are vLLM-side fusions of the names here).
-Every other module (checkpoint writer, reference model, engines) derives its names from this table.
+Names are those of the official HF checkpoints as vLLM's loaders accept them. Kimi K3
+(`KimiK3ForConditionalGeneration`) keeps the text model under `language_model.` (`language_model.layers.N.`
+is mapped by its `hf_to_vllm_mapper`); Kimi Linear (`KimiLinearForCausalLM`, also transformers' class of
+that name) keeps it at the top level (`model.layers.N.`, `model.embed_tokens`, `lm_head`). Inside a layer
+both families use the same names; the stacked projections such as `in_proj_qkvgfab` and
+`fused_qkv_a_g_proj` are vLLM-side fusions of the names here. Every other module (checkpoint writer,
+reference model, engines) derives its names from this table.
 """
 
 from __future__ import annotations
@@ -11,11 +14,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from parity.config import ConfigError, TextConfig
+from parity.config import TextConfig
 
 Init = Literal["linear", "embed", "norm", "bias", "a_log", "dt_bias", "conv", "res_proj"]
 
-TEXT_PREFIX = "language_model"
+TEXT_PREFIX = "language_model"  # K3's text model inside KimiK3ForConditionalGeneration
+
+
+@dataclass(frozen=True)
+class TextNames:
+    """Where one checkpoint family keeps the text tensors outside the decoder layers, and the layers."""
+
+    root: str  # every text tensor name starts with this ("" = the whole checkpoint is the text model)
+    model: str  # module holding embed_tokens, norm and the output AttnRes scorer
+    layers: str  # module holding the decoder layers
+
+    def layer(self, layer: int) -> str:
+        return f"{self.layers}.{layer}"
+
+    @property
+    def embed(self) -> str:
+        return f"{self.model}.embed_tokens.weight"
+
+    @property
+    def norm(self) -> str:
+        return f"{self.model}.norm.weight"
+
+    @property
+    def output_res_norm(self) -> str:
+        return f"{self.model}.output_attn_res_norm.weight"
+
+    @property
+    def output_res_proj(self) -> str:
+        return f"{self.model}.output_attn_res_proj.weight"
+
+    @property
+    def lm_head(self) -> str:
+        return f"{self.root}lm_head.weight"
+
+
+NAMES = {
+    "kimi_k3": TextNames(f"{TEXT_PREFIX}.", f"{TEXT_PREFIX}.model", f"{TEXT_PREFIX}.layers"),
+    "kimi_linear": TextNames("", "model", "model.layers"),
+}
+
+
+def text_names(c: TextConfig) -> TextNames:
+    """The official text tensor names of `c`'s checkpoint family."""
+    return NAMES[c.checkpoint_family]
 
 
 @dataclass(frozen=True)
@@ -28,8 +74,9 @@ class WeightSpec:
     fan_in: int = 1
 
 
-def layer_prefix(layer: int) -> str:
-    return f"{TEXT_PREFIX}.layers.{layer}"
+def layer_prefix(layer: int, checkpoint_family: str = "kimi_k3") -> str:
+    """Name prefix of decoder layer `layer` (0-based) in a checkpoint of that family."""
+    return NAMES[checkpoint_family].layer(layer)
 
 
 def _lin(out_f: int, in_f: int) -> WeightSpec:
@@ -41,18 +88,26 @@ def _norm(n: int) -> WeightSpec:
 
 
 def kda_specs(c: TextConfig) -> dict[str, WeightSpec]:
-    """KDA layer, K3 full-rank gate: q/k/v/g projections, f_a -> f_b gate, beta, short conv, gated norm, o_proj."""
+    """KDA layer: q/k/v projections, output gate, f_a -> f_b decay gate, beta, short conv, gated norm, o_proj.
+
+    The output gate is full-rank `g_proj` with K3's `use_full_rank_gate`, else Kimi Linear's low-rank
+    `g_a_proj` (hidden -> head_dim) then `g_b_proj` (head_dim -> heads * head_dim). `A_log` is [H] in K3
+    checkpoints and [1, 1, H, 1] in Kimi Linear's (vLLM loads both; transformers' module is 4-D).
+    """
     h, p, d, nh = c.hidden_size, c.kda_proj_size, c.kda_head_dim, c.kda_num_heads
-    if not c.use_full_rank_gate:
-        raise ConfigError("linear_attn_config.use_full_rank_gate: only the K3 full-rank KDA gate is supported")
-    specs = {f"{n}.weight": _lin(p, h) for n in ("q_proj", "k_proj", "v_proj", "g_proj")}
+    specs = {f"{n}.weight": _lin(p, h) for n in ("q_proj", "k_proj", "v_proj")}
+    if c.use_full_rank_gate:
+        specs["g_proj.weight"] = _lin(p, h)
+    else:
+        specs.update({"g_a_proj.weight": _lin(d, h), "g_b_proj.weight": _lin(p, d)})
+    a_log_shape = (1, 1, nh, 1) if c.checkpoint_family == "kimi_linear" else (nh,)
     specs.update(
         {
             "f_a_proj.weight": _lin(d, h),
             "f_b_proj.weight": _lin(p, d),
             "b_proj.weight": _lin(nh, h),
             "dt_bias": WeightSpec((p,), True, "dt_bias"),
-            "A_log": WeightSpec((nh,), True, "a_log"),
+            "A_log": WeightSpec(a_log_shape, True, "a_log"),
             "q_conv1d.weight": WeightSpec((p, 1, c.conv_kernel), True, "conv", c.conv_kernel),
             "k_conv1d.weight": WeightSpec((p, 1, c.conv_kernel), True, "conv", c.conv_kernel),
             "v_conv1d.weight": WeightSpec((p, 1, c.conv_kernel), True, "conv", c.conv_kernel),
@@ -126,7 +181,7 @@ def attn_res_specs(c: TextConfig) -> dict[str, WeightSpec]:
 
 
 def layer_specs(c: TextConfig, layer: int) -> dict[str, WeightSpec]:
-    """All tensors of one decoder layer, names relative to `layer_prefix(layer)`."""
+    """All tensors of one decoder layer, names relative to `text_names(c).layer(layer)`."""
     specs = {"input_layernorm.weight": _norm(c.hidden_size), "post_attention_layernorm.weight": _norm(c.hidden_size)}
     attn = kda_specs(c) if c.is_kda(layer) else mla_specs(c)
     specs.update({f"self_attn.{k}": v for k, v in attn.items()})
@@ -141,14 +196,14 @@ def layer_specs(c: TextConfig, layer: int) -> dict[str, WeightSpec]:
 
 def text_specs(c: TextConfig) -> dict[str, WeightSpec]:
     """Every text tensor of the checkpoint, full official names, in a stable order (layer by layer)."""
-    h = c.hidden_size
-    specs = {f"{TEXT_PREFIX}.model.embed_tokens.weight": WeightSpec((c.vocab_size, h), False, "embed")}
+    h, names = c.hidden_size, text_names(c)
+    specs = {names.embed: WeightSpec((c.vocab_size, h), False, "embed")}
     for layer in range(c.num_hidden_layers):
-        specs.update({f"{layer_prefix(layer)}.{k}": v for k, v in layer_specs(c, layer).items()})
-    specs[f"{TEXT_PREFIX}.model.norm.weight"] = _norm(h)
+        specs.update({f"{names.layer(layer)}.{k}": v for k, v in layer_specs(c, layer).items()})
+    specs[names.norm] = _norm(h)
     if c.attn_res_block_size is not None:
-        specs[f"{TEXT_PREFIX}.model.output_attn_res_norm.weight"] = _norm(h)
-        specs[f"{TEXT_PREFIX}.model.output_attn_res_proj.weight"] = WeightSpec((1, h), False, "res_proj", h)
+        specs[names.output_res_norm] = _norm(h)
+        specs[names.output_res_proj] = WeightSpec((1, h), False, "res_proj", h)
     if not c.tie_word_embeddings:
-        specs[f"{TEXT_PREFIX}.lm_head.weight"] = _lin(c.vocab_size, h)
+        specs[names.lm_head] = _lin(c.vocab_size, h)
     return specs

@@ -105,11 +105,12 @@ def kda_chunked(
 
 
 def kda_layer(x: Tensor, w: Mapping[str, Tensor], cfg: TextConfig) -> Tensor:
-    """K3 KDA block (vLLM `KimiK3DeltaAttention.forward`), one sequence from an empty state.
+    """KDA block (vLLM `KimiK3DeltaAttention.forward` / `KimiGatedDeltaNetAttention.forward`), one sequence
+    from an empty state.
 
     q, k, v = silu(causal_conv(W_{q,k,v} x)); q, k <- l2norm per head; g = kda_gate(f_b(f_a(x)));
     beta = sigmoid(W_b x); o = KDA(q, k, v, g, beta, scale = head_dim^-0.5);
-    y = o_proj(RMSNorm_head(o) * sigmoid(W_g x)).
+    y = o_proj(RMSNorm_head(o) * sigmoid(G x)), G = W_g (K3's full-rank gate) or W_gb W_ga (Kimi Linear).
     x: [T, D] f64; w: this layer's `self_attn.*` tensors by relative name -> [T, D] f64.
     """
     n_tokens = x.shape[0]
@@ -121,9 +122,14 @@ def kda_layer(x: Tensor, w: Mapping[str, Tensor], cfg: TextConfig) -> Tensor:
 
     q, k, v = l2_norm(conv_branch("q")), l2_norm(conv_branch("k")), conv_branch("v")
     raw_gate = linear(linear(x, w["f_a_proj.weight"]), w["f_b_proj.weight"]).view(n_tokens, n_heads, dk)
-    g = kda_gate(raw_gate, w["A_log"], w["dt_bias"].view(n_heads, dk), cfg.gate_lower_bound)
+    a_log = w["A_log"].view(n_heads)  # K3 stores [H], Kimi Linear [1, 1, H, 1]
+    g = kda_gate(raw_gate, a_log, w["dt_bias"].view(n_heads, dk), cfg.gate_lower_bound)
     beta = torch.sigmoid(linear(x, w["b_proj.weight"]))  # [T, H]
     o, _ = kda_recurrent(q, k, v, g, beta, scale=dk**-0.5)
-    out_gate = linear(x, w["g_proj.weight"]).view(n_tokens, n_heads, dk)
+    if cfg.use_full_rank_gate:
+        out_gate = linear(x, w["g_proj.weight"])
+    else:
+        out_gate = linear(linear(x, w["g_a_proj.weight"]), w["g_b_proj.weight"])
+    out_gate = out_gate.view(n_tokens, n_heads, dk)  # [T, H*K] -> [T, H, K]
     o = rms_norm(o, w["o_norm.weight"], KDA_O_NORM_EPS) * torch.sigmoid(out_gate)
     return linear(o.reshape(n_tokens, n_heads * dk), w["o_proj.weight"])  # heads back to [T, H*K]

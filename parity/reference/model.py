@@ -6,6 +6,9 @@ Follows vLLM's `KimiLinearModel.forward` / `KimiDecoderLayer` / `KimiLinearForCa
     per layer i: h = attn(AttnRes_attn(i)) (KDA or MLA); m = mlp(AttnRes_mlp(i, h)) (dense GLU or LatentMoE)
     logits = lm_head(RMSNorm_norm(AttnRes_output))
 
+Without `attn_res_block_size` (Kimi Linear) the AttnRes stream is the plain pre-norm residual stream
+(`parity.reference.residual`); the other K3 switches are read by the blocks themselves.
+
 Plain and slow on purpose: per-token loops in KDA and MLA, no cache, no batching. Never on a hot path.
 """
 
@@ -17,20 +20,15 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from parity.config import ConfigError, TextConfig
+from parity.config import TextConfig
 from parity.reference.attn_res import AttnResStream
 from parity.reference.kda import kda_layer
 from parity.reference.mla import mla_layer
 from parity.reference.moe import moe_layer
 from parity.reference.ops import gated_mlp, glu_activation, linear, rms_norm
-from parity.weights import TEXT_PREFIX, layer_prefix, text_specs
+from parity.reference.residual import ResidualStream
+from parity.weights import text_names, text_specs
 from zerokl.checkpoint import load_checkpoint
-
-EMBED = f"{TEXT_PREFIX}.model.embed_tokens.weight"
-FINAL_NORM = f"{TEXT_PREFIX}.model.norm.weight"
-OUTPUT_RES_NORM = f"{TEXT_PREFIX}.model.output_attn_res_norm.weight"
-OUTPUT_RES_PROJ = f"{TEXT_PREFIX}.model.output_attn_res_proj.weight"
-LM_HEAD = f"{TEXT_PREFIX}.lm_head.weight"
 
 
 class ReferenceWeightsError(ValueError):
@@ -43,28 +41,27 @@ def _relative(weights: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
 
 
 class ReferenceK3:
-    """Float64 K3 text model for one unbatched sequence; holds float64 copies of every text tensor."""
+    """Float64 K3 / Kimi Linear text model for one unbatched sequence; holds float64 copies of every text tensor."""
 
     def __init__(self, cfg: TextConfig, weights: Mapping[str, Tensor]) -> None:
         """Check `weights` against `parity.weights.text_specs(cfg)` and copy them to float64.
 
-        Tensors outside `language_model.` (the vision tower) are ignored; a missing, misshapen or unexpected
-        text tensor raises ReferenceWeightsError naming it.
+        Tensors outside the text model (K3: outside `language_model.`, the vision tower) are ignored; a missing,
+        misshapen or unexpected text tensor raises ReferenceWeightsError naming it.
         """
-        if cfg.attn_res_block_size is None:
-            raise ConfigError("text_config: attn_res_block_size is required (K3 uses Attention Residuals)")
-        specs = text_specs(cfg)
+        specs, names = text_specs(cfg), text_names(cfg)
         for name, spec in specs.items():
             if name not in weights:
                 raise ReferenceWeightsError(f"missing text tensor {name}")
             if tuple(weights[name].shape) != spec.shape:
                 raise ReferenceWeightsError(f"{name} has shape {tuple(weights[name].shape)}, config says {spec.shape}")
-        extra = sorted(n for n in weights if n.startswith(f"{TEXT_PREFIX}.") and n not in specs)
+        extra = sorted(n for n in weights if n.startswith(names.root) and n not in specs)
         if extra:
             raise ReferenceWeightsError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
         self.cfg = cfg
+        self.names = names
         self.weights = {name: weights[name].detach().to(torch.float64) for name in specs}
-        self.layers = [_relative(self.weights, f"{layer_prefix(i)}.") for i in range(cfg.num_hidden_layers)]
+        self.layers = [_relative(self.weights, f"{names.layer(i)}.") for i in range(cfg.num_hidden_layers)]
         self.act = glu_activation(cfg)
 
     @classmethod
@@ -89,14 +86,27 @@ class ReferenceK3:
         """Every intermediate of one forward, for diagnosis, all [T, D] f64 except logits [T, V] f64.
 
         Keys: "embed"; per layer i "layer{i}.attn_in" (normed AttnRes mix fed to attention), "layer{i}.attn"
-        (attention output), "layer{i}.mlp_in", "layer{i}.mlp"; "final" (AttnRes output, what vLLM's model
-        forward returns), "final_norm" (after `norm`), "logits".
+        (attention output), "layer{i}.mlp_in", "layer{i}.mlp", and without AttnRes "layer{i}.out" (the residual
+        stream after the layer); "final" (what vLLM's model forward returns: the AttnRes output, or the last
+        residual), "final_norm" (after `norm`), "logits".
         token_ids: [T] int64.
         """
+        cfg, w, names = self.cfg, self.weights, self.names
+        x = w[names.embed][token_ids]
+        states = {"embed": x}
+        if cfg.attn_res_block_size is None:
+            final = self._plain_layers(x, states)
+        else:
+            final = self._attn_res_layers(x, states)
+        final_norm = rms_norm(final, w[names.norm], cfg.rms_norm_eps)
+        head = w[names.embed] if cfg.tie_word_embeddings else w[names.lm_head]
+        states.update({"final": final, "final_norm": final_norm, "logits": linear(final_norm, head)})
+        return states
+
+    def _attn_res_layers(self, x: Tensor, states: dict[str, Tensor]) -> Tensor:
+        """Every decoder layer on the AttnRes stream from embedding x; fills `states`; returns the output mix."""
         cfg, w = self.cfg, self.weights
         assert cfg.attn_res_block_size is not None
-        x = w[EMBED][token_ids]
-        states = {"embed": x}
         stream = AttnResStream(x, cfg.attn_res_block_size, cfg.num_attn_res_blocks, cfg.rms_norm_eps)
         for i, p in enumerate(self.layers):
             h = stream.before_attn(i, p["self_attention_res_norm.weight"], p["self_attention_res_proj.weight"][0],
@@ -107,11 +117,20 @@ class ReferenceK3:
             m = self._mlp(i, h2)
             stream.after_mlp(m)
             states.update({f"layer{i}.attn_in": h, f"layer{i}.attn": a, f"layer{i}.mlp_in": h2, f"layer{i}.mlp": m})
-        final = stream.output(w[OUTPUT_RES_NORM], w[OUTPUT_RES_PROJ][0])
-        final_norm = rms_norm(final, w[FINAL_NORM], cfg.rms_norm_eps)
-        head = w[EMBED] if cfg.tie_word_embeddings else w[LM_HEAD]
-        states.update({"final": final, "final_norm": final_norm, "logits": linear(final_norm, head)})
-        return states
+        return stream.output(w[self.names.output_res_norm], w[self.names.output_res_proj][0])
+
+    def _plain_layers(self, x: Tensor, states: dict[str, Tensor]) -> Tensor:
+        """Every decoder layer on the plain residual stream from embedding x; fills `states`; returns the stream."""
+        stream = ResidualStream(x, self.cfg.rms_norm_eps)
+        for i, p in enumerate(self.layers):
+            h = stream.before_attn(p["input_layernorm.weight"])
+            a = self._attention(i, h)
+            h2 = stream.before_mlp(a, p["post_attention_layernorm.weight"])
+            m = self._mlp(i, h2)
+            out = stream.after_mlp(m)
+            states.update({f"layer{i}.attn_in": h, f"layer{i}.attn": a, f"layer{i}.mlp_in": h2, f"layer{i}.mlp": m,
+                           f"layer{i}.out": out})
+        return stream.output()
 
     def forward(self, token_ids: Tensor) -> Tensor:
         """Logits of every position.  token_ids: [T] int64 -> [T, V] f64."""

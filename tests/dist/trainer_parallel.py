@@ -1,0 +1,129 @@
+"""torchrun worker for tests/test_trainer_parallel.py: the K3 trainer at TP/EP = 2 against the one-process forward.
+
+Run: torchrun --nproc_per_node 2 tests/dist/trainer_parallel.py --tp 2 --ep 1 --checkpoint DIR --out DIR
+Each check prints one line; any failure raises (non-zero exit). Data: with DP > 1 (EP runs) every rank scores
+its own sequences, with TP ranks sharing theirs, so EP moves real tokens between ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from parity.config import ModelConfig
+from parity.kernels import INVARIANT
+from parity.model import K3Forward, K3Weights, score_sequences
+from trainer.checkpoint_io import export_official, load_official_dir, save_official
+from trainer.config import k3_transformer_config
+from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
+from trainer.modules import K3Model
+from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
+from trainer.sharding import shard, split_roles
+from trainer.train import train_step, wrap
+from zerokl.checkpoint import load_checkpoint
+
+TEMPERATURE = 0.7
+CLIP_GRAD = 1.0
+
+
+def sequences(dp_rank: int) -> list[list[int]]:
+    """This data-parallel rank's batch: 3 sequences of uneven lengths (padding inside the batch)."""
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    return [torch.randint(4, 1024, (n,), generator=g).tolist() for n in (13, 7 + 3 * dp_rank, 10)]
+
+
+def nll(lp: torch.Tensor, batch: PaddedBatch) -> torch.Tensor:
+    return -lp.sum() / (batch.lens - 1).sum()
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise AssertionError(f"rank {dist.get_rank()}: {what}")
+    if dist.get_rank() == 0:
+        print(f"ok  {what}", flush=True)
+
+
+def reference_grads(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], dp: int) -> dict[str, torch.Tensor]:
+    """fp32 gradients of the mean over DP ranks of each rank's NLL, one process, the plain parity forward
+    (zeros for the selection-only router bias, which gets no gradient)."""
+    ref = K3Weights.from_official(model_cfg.text, weights)
+    for t in ref.tensors.values():
+        t.requires_grad_(True)
+    fwd = K3Forward(ref, INVARIANT)
+    loss = torch.zeros(())
+    for r in range(dp):
+        seqs = sequences(r)
+        lps = score_sequences(fwd, seqs, TEMPERATURE)
+        loss = loss - sum(lp.sum() for lp in lps) / sum(len(s) - 1 for s in seqs) / dp
+    loss.backward()
+    return {n: torch.zeros_like(t) if t.grad is None else t.grad for n, t in ref.tensors.items()}
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    par: ParallelContext = init_parallel(args.tp, args.ep)
+    tag = f"TP={par.tp} EP={par.ep} DP={par.dp}"
+    model_cfg, weights = load_checkpoint(args.checkpoint)
+    model = K3Model(k3_transformer_config(model_cfg, par))
+    load_official_dir(model, args.checkpoint)
+
+    exported = export_official(model)
+    check(exported.keys() == weights.keys() and all(
+        exported[n].dtype == weights[n].dtype and torch.equal(exported[n], weights[n]) for n in weights),
+        f"{tag}: load then export returns every checkpoint tensor bit for bit")
+
+    seqs = sequences(par.dp_rank)
+    batch = PaddedBatch.from_sequences(seqs)
+    one_process = score_sequences(K3Forward(K3Weights.from_official(model_cfg.text, weights), INVARIANT), seqs,
+                                  TEMPERATURE)
+    trainer = wrap(model, lr=1e-3, clip_grad=CLIP_GRAD)
+    lp = token_logprobs(trainer.model, batch, TEMPERATURE)
+    check(all(torch.equal(lp[i, : len(s) - 1], one_process[i]) for i, s in enumerate(seqs)),
+          f"{tag}: every token's log-prob equals the one-process forward (torch.equal)")
+    lens = torch.tensor([len(s) for s in seqs])
+    packed = PackedBatch(torch.tensor([t for s in seqs for t in s]), torch.cat([torch.zeros(1, dtype=torch.long),
+                                                                             lens.cumsum(0)]))
+    check(torch.equal(token_logprobs(trainer.model, packed, TEMPERATURE), lp[batch.mask()]),
+          f"{tag}: packed batch equals padded batch (torch.equal)")
+
+    ref_grads = reference_grads(model_cfg, weights, par.dp)
+    before = {n: p.detach().clone() for n, p in model.official_parameters().items()}
+    loss, grad_norm = train_step(trainer, lambda m: nll(token_logprobs(m, batch, TEMPERATURE), batch))
+    roles = split_roles(model_cfg.text)
+    clip = min(1.0, CLIP_GRAD / (grad_norm + 1.0e-6))  # Megatron's clip coefficient, applied to .grad in place
+    worst = 0.0
+    for name, p in model.official_parameters().items():
+        want = shard(name, ref_grads[name], roles[name], par.tp_rank, par.tp) * clip
+        worst = max(worst, float((p.grad - want).norm() / (want.norm() + 1e-12)))
+    check(worst < 1e-4, f"{tag}: DDP-finalised, clipped gradients match the one-process ones (worst rel. {worst:.1e})")
+    ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref_grads.values()))
+    check(abs(grad_norm - ref_norm) < 1e-4 * ref_norm, f"{tag}: Megatron grad norm {grad_norm:.6f} = {ref_norm:.6f}")
+
+    params = model.official_parameters()
+    stuck = [n for n, p in params.items() if ref_grads[n].any() and torch.equal(p, before[n])]
+    after = nll(token_logprobs(trainer.model, batch, TEMPERATURE), batch).detach()
+    total = torch.stack([torch.as_tensor(loss), after])
+    dist.all_reduce(total)
+    check(not stuck and total[1] < total[0],
+          f"{tag}: one Megatron Adam step moved every parameter with a gradient ({stuck[:1]} stuck), "
+          f"summed loss {total[0]:.4f} -> {total[1]:.4f}")
+    changed = export_official(model)
+    path = save_official(model, args.out)
+    if dist.get_rank() == 0:
+        _, written = load_checkpoint(path)
+        check(all(torch.equal(written[n], changed[n]) for n in changed), f"{tag}: saved checkpoint reloads bit for bit")
+    destroy_parallel(par)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Official-format checkpoints in and out of the Megatron K3 model, at any TP/EP split the config allows.
+
+Load: every rank reads the whole official checkpoint (what `zerokl init-checkpoint` writes and vLLM loads) and
+copies its shard (`trainer.sharding`) into the fp32 master parameters. Export: shards are all-gathered over TP
+(concatenation along the split dim) and experts over EP, then cast back to each tensor's checkpoint dtype. A
+load followed by an export returns the checkpoint bit for bit (bf16 -> fp32 -> bf16 is exact), whatever the split.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from parity.weights import TEXT_PREFIX
+from trainer.modules import K3Model, local_experts
+from trainer.sharding import Split, shard, split_roles
+from zerokl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def load_official(model: K3Model, weights: dict[str, torch.Tensor]) -> list[str]:
+    """Copy this rank's shard of every official text tensor into `model`; returns the names loaded here.
+
+    Fails naming the first missing text tensor, unexpected text tensor, or shape mismatch; tensors outside the
+    text model (vision tower) are kept verbatim in `model.passthrough` for export.
+    """
+    roles = split_roles(model.config.k3.text)
+    missing = [n for n in roles if n not in weights]
+    if missing:
+        raise CheckpointError(f"{len(missing)} text tensors missing, first: {missing[0]}")
+    extra = [n for n in weights if n.startswith(f"{TEXT_PREFIX}.") and n not in roles]
+    if extra:
+        raise CheckpointError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    loaded = []
+    with torch.no_grad():
+        for name, param in model.official_parameters().items():
+            part = shard(name, weights[name], roles[name], tp_rank, tp)
+            if part.shape != param.shape:
+                raise CheckpointError(f"{name}: shard {tuple(part.shape)} does not fit parameter {tuple(param.shape)}")
+            param.copy_(part)
+            loaded.append(name)
+    unplaced = sorted(n for n in set(roles) - set(loaded) if roles[n] is not Split.EXPERT)  # experts: other EP ranks
+    if unplaced:
+        raise CheckpointError(f"model has no parameter for {unplaced[0]}")
+    model.storage_dtypes = {n: weights[n].dtype for n in roles}
+    model.passthrough = {n: t for n, t in weights.items() if n not in roles}
+    return loaded
+
+
+def load_official_dir(model: K3Model, path: str | Path) -> list[str]:
+    """`load_official` from a checkpoint directory (`zerokl.checkpoint.load_checkpoint` validates it)."""
+    _, weights = load_checkpoint(path)
+    return load_official(model, weights)
+
+
+def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def export_official(model: K3Model) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor, whole and in its checkpoint dtype, on every rank (collective: all ranks call)."""
+    roles = split_roles(model.config.k3.text)
+    params = {n: p.detach() for n, p in model.official_parameters().items()}
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    owned = local_experts(model.config)
+    full: dict[str, torch.Tensor] = {}
+    for name, split in roles.items():
+        if split is Split.EXPERT:
+            if name in full:
+                continue
+            template = _EXPERT_INDEX.sub(".experts.{}.", name)
+            mine = torch.stack([params[template.format(e)] for e in owned])  # [experts here, ...]
+            for e, t in enumerate(_gather(mine, 0, ep_group)):  # EP ranks own consecutive ranges, in rank order
+                full[template.format(e)] = t
+        elif split.tp_dim is not None:
+            full[name] = _gather(params[name], split.tp_dim, tp_group)
+        else:
+            full[name] = params[name]
+    out = {n: full[n].to(model.storage_dtypes[n]) for n in roles}
+    out.update(model.passthrough)
+    return out
+
+
+def save_official(model: K3Model, out: str | Path) -> Path:
+    """Export and write an official checkpoint directory from rank 0 (collective: all ranks call)."""
+    weights = export_official(model)
+    path = Path(out)
+    if dist.get_rank() == 0:
+        save_checkpoint(model.config.k3, weights, path)
+    dist.barrier()
+    return path

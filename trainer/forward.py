@@ -1,0 +1,208 @@
+"""The shared K3 forward (`parity.model.K3Forward`) on one rank's shards, with Megatron's TP/EP communication.
+
+Every arithmetic op is the parity forward's; this file only moves tensors, with Megatron's autograd-aware
+mappings, so that each token's log-prob keeps the bits of the one-process forward (`trainer/README.md`):
+
+- column-parallel projections run this rank's heads (`K3Forward` sees a config with heads / TP); a GEMM's
+  column has the same bits whatever the matrix width (measured for widths >= 12, see `trainer.sharding`);
+- row-parallel projections all-gather the input activations and the weight shards (concatenation is exact)
+  and run the whole GEMM, so the reduction order is the one-process order;
+- the vocab-parallel embedding adds exact zeros; lm_head logits are all-gathered before the log-softmax;
+- routed experts (EP > 1): each (token, slot) row goes to the EP rank owning its expert (all-to-all), which
+  forms weight * expert(row) with `experts_combine` (one slot per row, so each product is the one the
+  one-process combine forms); the products come back and are added in slot order j = 0..k-1, the order of
+  `experts_combine`. With TP > 1 too, each TP rank dispatches a contiguous share of the tokens.
+
+Gradients: inside a TP region (a KDA/MLA block or a gated MLP) each rank back-propagates its heads only, so
+the region input and the region's replicated parameters are entered through `copy_to` (gradient summed over
+TP); gathers split the gradient back to the shard. With TP = EP = 1 every mapping is the identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    all_to_all,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+
+from parity.kernels import get_kernels
+from parity.kernels.moe import experts_combine
+from parity.model import K3Forward, K3Weights, KDACache, MLACache
+from trainer.sharding import Split, split_roles
+
+if TYPE_CHECKING:
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    from trainer.modules import K3Model
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward passes on a contiguous gradient. Megatron's `_reduce`
+    (megatron/core/tensor_parallel/mappings.py:31) all-reduces `grad.contiguous()` but returns `grad`, so a
+    non-contiguous gradient (a GEMM weight's, which arrives transposed) would leave `copy_to` unreduced."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Megatron's `copy_to_tensor_model_parallel_region` (identity forward, gradient summed over TP), fed a
+    contiguous gradient."""
+    return _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(x, group=group))
+
+
+def parameter_view(model: K3Model, roles: dict[str, Split], tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Official name -> the tensor the parity forward reads: the live parameter, gathered for ROW (dim 1) and
+    COLUMN_GATHERED (dim 0) weights, entered through `copy_to` for REGION_REPLICATED ones (autograd reaches
+    every parameter)."""
+    view: dict[str, torch.Tensor] = {}
+    for name, p in model.official_parameters().items():
+        split = roles[name]
+        if split is Split.ROW:
+            view[name] = gather_from_tensor_model_parallel_region(p, group=tp_group)
+        elif split is Split.COLUMN_GATHERED:
+            view[name] = gather_from_sequence_parallel_region(p, tensor_parallel_output_grad=False, group=tp_group)
+        elif split is Split.REGION_REPLICATED:
+            view[name] = copy_to_tp(p, tp_group)
+        else:
+            view[name] = p
+    return view
+
+
+def fold_slots(products: torch.Tensor) -> torch.Tensor:
+    """products: [N, k, L], products[:, j] = weight_j * expert_j(x) -> [N, L], added in slot order j = 0..k-1,
+    the order and operands of `parity.kernels.moe.experts_combine` (so the same bits)."""
+    out = products[:, 0]
+    for j in range(1, products.shape[1]):
+        out = out + products[:, j]
+    return out
+
+
+class ParallelK3Forward(K3Forward):
+    """`K3Forward` over this rank's shards: overrides only the hooks where tensors cross ranks."""
+
+    def __init__(self, weights: K3Weights, kernels_name: str, roles: dict[str, Split],
+                 embedding: VocabParallelEmbedding, num_experts: int):
+        """`weights.cfg` is the rank-local config (heads / TP); `weights.tensors` the `parameter_view`."""
+        super().__init__(weights, get_kernels(kernels_name))
+        self.roles = roles
+        self.embedding = embedding
+        self.num_experts = num_experts
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp = self.tp_group.size()
+        self.tp_rank = self.tp_group.rank()
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.ep = self.ep_group.size()
+        self.ep_rank = self.ep_group.rank()
+
+    @classmethod
+    def for_model(cls, model: K3Model) -> ParallelK3Forward:
+        """Bind `model`'s live parameters (call once per forward: the view follows the current weights)."""
+        config = model.config
+        text = config.k3.text
+        tp = config.tensor_model_parallel_size
+        local = dataclasses.replace(text, kda_num_heads=text.kda_num_heads // tp,
+                                    num_attention_heads=text.num_attention_heads // tp)
+        roles = split_roles(text)
+        view = parameter_view(model, roles, parallel_state.get_tensor_model_parallel_group())
+        return cls(K3Weights(local, view), config.kernels, roles, model.model.embed_tokens, text.num_experts or 0)
+
+    # --- tensor parallel ------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Megatron's vocab-parallel lookup: own rows, exact zeros elsewhere, all-reduced."""
+        return self.embedding(ids)
+
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W^T for the tensor `name`, by its split: ROW gathers x (the view holds W gathered), COLUMN_GATHERED
+        keeps this rank's columns of the whole GEMM, VOCAB gathers the logits; others run locally."""
+        split = self.roles[name]
+        if split is Split.ROW:
+            return super()._lin(gather_from_tensor_model_parallel_region(x, group=self.tp_group), name)
+        if split is Split.COLUMN_GATHERED:
+            y = super()._lin(x, name)
+            width = y.shape[-1] // self.tp
+            return y.narrow(-1, self.tp_rank * width, width)
+        if split is Split.VOCAB:
+            y = super()._lin(copy_to_tp(x, self.tp_group), name)
+            return gather_from_tensor_model_parallel_region(y, group=self.tp_group)
+        return super()._lin(x, name)
+
+    def _region(self, x: torch.Tensor) -> torch.Tensor:
+        """Enter a TP region: identity forward, gradient summed over TP."""
+        return copy_to_tp(x, self.tp_group)
+
+    def _kda(self, x: torch.Tensor, p: str, cache: KDACache, lens: torch.Tensor) -> torch.Tensor:
+        return super()._kda(self._region(x), p, cache, lens)
+
+    def _mla(self, x: torch.Tensor, p: str, cache: MLACache, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        return super()._mla(self._region(x), p, cache, pos, lens)
+
+    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        return super()._mlp(self._region(x), p)
+
+    # --- routed experts -------------------------------------------------------------------------
+    def _routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
+        """x: [N, L], ids/weights: [N, k] (same on every TP rank) -> [N, L].
+
+        EP = 1: every rank runs all rows through all experts (experts are replicated like any non-TP-split
+        parameter, so their gradients are whole on each rank). EP > 1: experts are dispatched over the EP group;
+        with TP > 1 each TP rank first takes a contiguous 1/TP share of the rows (zero rows with weight 0 pad N to
+        a multiple of TP), so no token is dispatched twice, and the shares are all-gathered after."""
+        if self.ep == 1:
+            return super()._routed_experts(x, ids, weights, p)
+        n = x.shape[0]
+        if self.tp > 1:
+            pad = (-n) % self.tp
+            x = scatter_to_sequence_parallel_region(F.pad(x, (0, 0, 0, pad)), group=self.tp_group)
+            weights = scatter_to_sequence_parallel_region(F.pad(weights, (0, 0, 0, pad)), group=self.tp_group)
+            share = (n + pad) // self.tp
+            ids = F.pad(ids, (0, 0, 0, pad)).narrow(0, self.tp_rank * share, share)
+        y = self._dispatch(x, ids, weights, p)
+        if self.tp > 1:
+            y = gather_from_sequence_parallel_region(y, tensor_parallel_output_grad=False, group=self.tp_group)[:n]
+        return y
+
+    def _dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
+        """Expert parallel: send each (token, slot) row to the EP rank owning its expert, get back
+        weight * expert(row), add a token's k products in slot order (as `experts_combine` does)."""
+        n, k = ids.shape
+        per_rank = self.num_experts // self.ep
+        slot_ids = ids.reshape(-1)  # slot s = token * k + j
+        owner = slot_ids // per_rank
+        order = torch.argsort(owner, stable=True)  # slots grouped by owning rank
+        send = torch.bincount(owner, minlength=self.ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+
+        def exchange(t: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> torch.Tensor:
+            return all_to_all(self.ep_group, t, out_sizes, in_sizes)
+
+        rows = exchange(x[order // k], recv_sizes, send_sizes)  # [M, L] rows for the experts owned here
+        row_w = exchange(weights.reshape(-1)[order].unsqueeze(1), recv_sizes, send_sizes)  # [M, 1]
+        row_ids = exchange(slot_ids[order].unsqueeze(1), recv_sizes, send_sizes) - self.ep_rank * per_rank
+        owned = range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+        products = experts_combine(
+            rows, row_ids, row_w,
+            [self.w.get(f"{p}.experts.{e}.w1.weight") for e in owned],
+            [self.w.get(f"{p}.experts.{e}.w3.weight") for e in owned],
+            [self.w.get(f"{p}.experts.{e}.w2.weight") for e in owned],
+            self.k.linear, self._act,
+        )  # [M, L]: row_w * expert(row), the product experts_combine forms for that slot
+        back = exchange(products, send_sizes, recv_sizes)  # [N * k, L] in `order`
+        return fold_slots(back[torch.argsort(order)].view(n, k, -1))

@@ -1,0 +1,77 @@
+"""Per-token log-probs of a padded or packed batch in one differentiable forward, as the rollout engine defines them.
+
+lp of token t+1 of a sequence = log_softmax(logits_t / temperature)[token_{t+1}] by the parity kernels'
+`token_logprobs` (the vLLM sampler's arithmetic), with logits_t from the shared K3 forward over tokens 0..t.
+Outputs use next-token alignment (Megatron's labels = tokens shifted by one): `out[..., t]` scores token t + 1;
+the last token of each sequence and every padding position hold 0.
+
+A packed batch (THD: sequences back to back, `cu_seqlens` offsets as Megatron's `PackedSeqParams`) is laid out
+as right-padded rows for the forward and packed back; the forward is batch-invariant, so each token gets the
+same bits either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from parity.model import K3Forward, new_cache
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """input_ids: [B, T] int64, right-padded; lens: [B] int64 (each >= 1)."""
+
+    input_ids: torch.Tensor
+    lens: torch.Tensor
+
+    @classmethod
+    def from_sequences(cls, seqs: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
+        lens = torch.tensor([len(s) for s in seqs])
+        ids = torch.full((len(seqs), int(lens.max())), pad_id, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        return cls(ids, lens)
+
+    def mask(self) -> torch.Tensor:
+        """[B, T] bool: positions holding a token."""
+        return torch.arange(self.input_ids.shape[1]).view(1, -1) < self.lens.view(-1, 1)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """tokens: [N] int64, sequences back to back; cu_seqlens: [S + 1] int64 offsets (0, len_0, len_0 + len_1, ...)."""
+
+    tokens: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    def to_padded(self, pad_id: int = 0) -> PaddedBatch:
+        lens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        ids = torch.full((len(lens), int(lens.max())), pad_id, dtype=torch.long)
+        padded = PaddedBatch(ids, lens)
+        ids[padded.mask()] = self.tokens  # row-major order of the mask is the packed order
+        return padded
+
+
+def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """One forward over right-padded rows -> lp: [B, T] (next-token aligned, zeros past each row's last
+    scored token). Same calls as `parity.model.score_sequences`, so the same bits."""
+    b, t = input_ids.shape
+    pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
+    dtype = next(iter(fwd.w.tensors.values())).dtype
+    hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, dtype))
+    lp = fwd.token_logprobs(fwd.logits(hidden[:, :-1]), input_ids[:, 1:], temperature)  # [B, T-1]
+    scored = torch.arange(t - 1).view(1, -1) < (lens - 1).view(-1, 1)
+    return F.pad(torch.where(scored, lp, torch.zeros((), dtype=lp.dtype)), (0, 1))
+
+
+def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch, temperature: float) -> torch.Tensor:
+    """Per-token log-probs from `model` (a `K3Model`, or Megatron's DDP around one): [B, T] for a padded
+    batch, [N] for a packed one (entry i scores token i + 1 of its sequence; 0 at each sequence's end)."""
+    if isinstance(batch, PackedBatch):
+        padded = batch.to_padded()
+        return model(padded.input_ids, padded.lens, temperature)[padded.mask()]
+    return model(batch.input_ids, batch.lens, temperature)

@@ -1,0 +1,254 @@
+"""The K3 text model as Megatron-core modules: they own the parameters and their TP/EP sharding, nothing else.
+
+Module paths mirror the official checkpoint names (official name = `language_model.` + parameter name), so the
+sharding table, the loader and the exporter share one naming. Head- and column-indexed projections are
+`ColumnParallelLinear`, output projections `RowParallelLinear`, the embedding `VocabParallelEmbedding`, routed
+experts expert-parallel linears in a ModuleDict keyed by the *global* expert index (an EP rank names its experts
+as the checkpoint does); norms, KDA gate parameters, conv kernels and the router are plain parameters.
+
+No block has numerics of its own: `K3Model.forward` gives the live parameters to the shared forward in
+`parity.model` through `trainer.forward.ParallelK3Forward`, which adds the TP/EP communication.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+from parity.weights import TEXT_PREFIX
+from trainer.config import K3TransformerConfig
+from trainer.forward import ParallelK3Forward
+from trainer.logprobs import padded_logprobs
+
+
+def _unused_init(weight: torch.Tensor) -> None:
+    """Megatron's init hook; never called (`perform_initialization=False`): weights come from a checkpoint."""
+    raise RuntimeError("K3 parameters are loaded from an official checkpoint, not initialised by Megatron")
+
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _mark_split(module: _M, dim: int) -> _M:
+    """Set the TP-split attributes of `module.weight`. Megatron sets them only inside its weight initialisation,
+    which is off here; without them its grad norm would count a TP-split weight on TP rank 0 only."""
+    set_tensor_model_parallel_attributes(module.weight, is_parallel=True, dim=dim, stride=1)
+    return module
+
+
+def _column(config: K3TransformerConfig, in_f: int, out_f: int) -> ColumnParallelLinear:
+    return _mark_split(ColumnParallelLinear(in_f, out_f, config=config, init_method=_unused_init, bias=False,
+                                            gather_output=False,
+                                            tp_group=parallel_state.get_tensor_model_parallel_group()), 0)
+
+
+def _row(config: K3TransformerConfig, in_f: int, out_f: int) -> RowParallelLinear:
+    return _mark_split(RowParallelLinear(in_f, out_f, config=config, init_method=_unused_init, bias=False,
+                                         input_is_parallel=True, skip_bias_add=True,
+                                         tp_group=parallel_state.get_tensor_model_parallel_group()), 1)
+
+
+def _expert(config: K3TransformerConfig, layer: _M, dim: int) -> _M:
+    """An expert projection is whole (expert TP is 1). With EP > 1 it sits in Megatron's expert optimizer, whose
+    grad norm sums over the expert (TP x EP) group but keeps only weights marked TP-split or on dense-TP rank 0,
+    so it is marked split to count on every rank; with EP = 1 it is a replicated dense weight and counts once."""
+    return _mark_split(layer, dim) if config.expert_model_parallel_size > 1 else layer
+
+
+def _expert_column(config: K3TransformerConfig, in_f: int, out_f: int) -> ColumnParallelLinear:
+    return _expert(config, ColumnParallelLinear(in_f, out_f, config=config, init_method=_unused_init, bias=False,
+                                                gather_output=False, is_expert=True,
+                                                tp_group=parallel_state.get_expert_tensor_parallel_group()), 0)
+
+
+def _expert_row(config: K3TransformerConfig, in_f: int, out_f: int) -> RowParallelLinear:
+    return _expert(config, RowParallelLinear(in_f, out_f, config=config, init_method=_unused_init, bias=False,
+                                             input_is_parallel=True, skip_bias_add=True, is_expert=True,
+                                             tp_group=parallel_state.get_expert_tensor_parallel_group()), 1)
+
+
+def _param(config: K3TransformerConfig, *shape: int, tp_dim: int | None = None) -> nn.Parameter:
+    """A plain parameter; with `tp_dim` its local shape divides that dim by TP and Megatron marks it TP-split."""
+    tp = config.tensor_model_parallel_size
+    local = [n // tp if d == tp_dim else n for d, n in enumerate(shape)]
+    p = nn.Parameter(torch.empty(local, dtype=config.params_dtype))
+    if tp_dim is not None:
+        set_tensor_model_parallel_attributes(p, is_parallel=True, dim=tp_dim, stride=1)
+    return p
+
+
+class Weight(nn.Module):
+    """Holds one parameter called `weight` (norms, small replicated projections, conv kernels)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class KDA(MegatronModule):
+    """Kimi Delta Attention: q/k/v/g, f_b, b and the gate parameters split by head; f_a and o_norm replicated."""
+
+    def __init__(self, config: K3TransformerConfig):
+        super().__init__(config)
+        c = config.k3.text
+        h, p, d, nh, w = c.hidden_size, c.kda_proj_size, c.kda_head_dim, c.kda_num_heads, c.conv_kernel
+        self.q_proj, self.k_proj, self.v_proj, self.g_proj = (_column(config, h, p) for _ in range(4))
+        self.f_a_proj = Weight(_param(config, d, h))
+        self.f_b_proj = _column(config, d, p)
+        self.b_proj = _column(config, h, nh)
+        self.dt_bias = _param(config, p, tp_dim=0)
+        self.A_log = _param(config, nh, tp_dim=0)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (Weight(_param(config, p, 1, w, tp_dim=0)) for _ in range(3))
+        self.o_norm = Weight(_param(config, d))
+        self.o_proj = _row(config, p, h)
+
+
+class MLA(MegatronModule):
+    """NoPE MLA: q and kv up-projections and the output gate split by head; the low-rank down-projections replicated."""
+
+    def __init__(self, config: K3TransformerConfig):
+        super().__init__(config)
+        c = config.k3.text
+        h, nh = c.hidden_size, c.num_attention_heads
+        if c.q_lora_rank is not None:
+            self.q_a_proj = Weight(_param(config, c.q_lora_rank, h))
+            self.q_a_layernorm = Weight(_param(config, c.q_lora_rank))
+            self.q_b_proj = _column(config, c.q_lora_rank, nh * c.qk_head_dim)
+        else:
+            self.q_proj = _column(config, h, nh * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = Weight(_param(config, c.mla_latent_size, h))
+        self.kv_a_layernorm = Weight(_param(config, c.kv_lora_rank))
+        self.kv_b_proj = _column(config, c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim))
+        if c.mla_use_output_gate:
+            self.g_proj = _column(config, h, nh * c.v_head_dim)
+        self.o_proj = _row(config, nh * c.v_head_dim, h)
+
+
+class MLP(MegatronModule):
+    """Gated MLP (dense layer or shared experts): gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, config: K3TransformerConfig, hidden: int, inter: int):
+        super().__init__(config)
+        self.gate_proj = _column(config, hidden, inter)
+        self.up_proj = _column(config, hidden, inter)
+        self.down_proj = _row(config, inter, hidden)
+
+
+class Router(nn.Module):
+    """noaux_tc router: scoring weight and selection-only correction bias (replicated)."""
+
+    def __init__(self, config: K3TransformerConfig, experts: int, hidden: int):
+        super().__init__()
+        self.weight = _param(config, experts, hidden)
+        self.e_score_correction_bias = _param(config, experts)
+
+
+class Expert(MegatronModule):
+    """One routed expert in the latent width, whole on its EP rank (expert TP is 1)."""
+
+    def __init__(self, config: K3TransformerConfig, latent: int, inter: int):
+        super().__init__(config)
+        self.w1 = _expert_column(config, latent, inter)
+        self.w3 = _expert_column(config, latent, inter)
+        self.w2 = _expert_row(config, inter, latent)
+
+
+def local_experts(config: K3TransformerConfig) -> range:
+    """Global indices of the experts this EP rank owns (a contiguous range)."""
+    n = config.k3.text.num_experts or 0
+    per_rank = n // config.expert_model_parallel_size
+    start = parallel_state.get_expert_model_parallel_rank() * per_rank
+    return range(start, start + per_rank)
+
+
+class LatentMoE(MegatronModule):
+    """Router, latent down/norm/up (replicated), this rank's routed experts, shared experts (TP-split MLP)."""
+
+    def __init__(self, config: K3TransformerConfig):
+        super().__init__(config)
+        c = config.k3.text
+        assert c.num_experts is not None
+        h, lat, inter = c.hidden_size, c.moe_hidden_size, c.moe_intermediate_size
+        self.gate = Router(config, c.num_experts, h)
+        if c.routed_expert_hidden_size is not None:
+            self.routed_expert_down_proj = Weight(_param(config, lat, h))
+            if c.latent_moe_use_norm:
+                self.routed_expert_norm = Weight(_param(config, lat))
+            self.routed_expert_up_proj = Weight(_param(config, h, lat))
+        self.experts = nn.ModuleDict({str(e): Expert(config, lat, inter) for e in local_experts(config)})
+        if c.num_shared_experts:
+            self.shared_experts = MLP(config, h, inter * c.num_shared_experts)
+
+
+class DecoderLayer(MegatronModule):
+    """One K3 layer: norms, AttnRes scorers, KDA or MLA, dense MLP or LatentMoE (attribute names as official)."""
+
+    def __init__(self, config: K3TransformerConfig, layer: int):
+        super().__init__(config)
+        c = config.k3.text
+        h = c.hidden_size
+        self.input_layernorm = Weight(_param(config, h))
+        self.post_attention_layernorm = Weight(_param(config, h))
+        self.self_attn = KDA(config) if c.is_kda(layer) else MLA(config)
+        if c.is_moe(layer):
+            self.block_sparse_moe = LatentMoE(config)
+        else:
+            self.mlp = MLP(config, h, c.intermediate_size)
+        if c.attn_res_block_size is not None:
+            self.self_attention_res_norm = Weight(_param(config, h))
+            self.self_attention_res_proj = Weight(_param(config, 1, h))
+            self.mlp_res_norm = Weight(_param(config, h))
+            self.mlp_res_proj = Weight(_param(config, 1, h))
+
+
+class Embeddings(nn.Module):
+    """The official `model.` group: vocab-parallel embedding, final norm, output AttnRes scorer."""
+
+    def __init__(self, config: K3TransformerConfig):
+        super().__init__()
+        c = config.k3.text
+        h = c.hidden_size
+        self.embed_tokens = _mark_split(VocabParallelEmbedding(
+            c.vocab_size, h, init_method=_unused_init, config=config,
+            tp_group=parallel_state.get_tensor_model_parallel_group()), 0)
+        self.norm = Weight(_param(config, h))
+        if c.attn_res_block_size is not None:
+            self.output_attn_res_norm = Weight(_param(config, h))
+            self.output_attn_res_proj = Weight(_param(config, 1, h))
+
+
+class K3Model(MegatronModule):
+    """The K3 text model on Megatron. `forward(input_ids, lens, temperature)` -> per-token log-probs [B, T].
+
+    Parameters are fp32 masters (`config.params_dtype`) filled by `trainer.checkpoint_io.load_official`;
+    `passthrough` keeps the checkpoint's non-text tensors (vision tower) and `storage_dtypes` each text
+    tensor's checkpoint dtype, so an export writes back exactly what was loaded.
+    """
+
+    def __init__(self, config: K3TransformerConfig):
+        super().__init__(config)
+        c = config.k3.text
+        self.model = Embeddings(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(c.num_hidden_layers))
+        if not c.tie_word_embeddings:
+            self.lm_head = _column(config, c.hidden_size, c.vocab_size)
+        self.passthrough: dict[str, torch.Tensor] = {}
+        self.storage_dtypes: dict[str, torch.dtype] = {}
+
+    def official_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters under their official text tensor names (local shards, local experts)."""
+        return {f"{TEXT_PREFIX}.{name}": p for name, p in self.named_parameters()}
+
+    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`)."""
+        return padded_logprobs(ParallelK3Forward.for_model(self), input_ids, lens, temperature)

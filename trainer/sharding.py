@@ -1,0 +1,144 @@
+"""How each official K3 text tensor is laid out over tensor- and expert-parallel ranks: the one sharding table.
+
+Every name of `parity.weights.text_specs` gets a `Split`; `split_roles` fails on a name it cannot place, so a
+new weight cannot silently be replicated. TP splits are contiguous along the split dim, rank 0 first; along a
+head-indexed dim that gives each rank whole, consecutive heads. Experts are split by EP into contiguous ranges.
+
+A *TP region* is a block whose inside runs per head or per MLP column: the KDA and MLA blocks and every gated
+MLP (dense, or shared experts). Its input's gradient is summed over TP at the region boundary.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+import torch
+
+from parity.config import TextConfig
+from parity.weights import TEXT_PREFIX, text_specs
+
+
+class Split(Enum):
+    """Placement of one tensor (TP unless stated) and how the forward uses it."""
+
+    REPLICATED = "replicated"  # whole on every rank, used on replicated activations
+    REGION_REPLICATED = "region_replicated"  # whole on every rank, used inside a TP region: grad summed over TP
+    COLUMN = "column"  # dim 0 split (heads / MLP columns), used locally
+    COLUMN_GATHERED = "column_gathered"  # dim 0 split; the forward gathers it and computes the whole GEMM
+    ROW = "row"  # dim 1 split; the forward gathers input and weight and computes the whole GEMM
+    VOCAB = "vocab"  # dim 0 split over the vocabulary (embedding, lm_head)
+    EXPERT = "expert"  # whole, on the EP rank that owns the expert
+
+    @property
+    def tp_dim(self) -> int | None:
+        """The dim split over TP ranks, or None when every TP rank holds the whole tensor."""
+        return {Split.COLUMN: 0, Split.COLUMN_GATHERED: 0, Split.VOCAB: 0, Split.ROW: 1}.get(self)
+
+
+# Names relative to `language_model.layers.N.`; `b_proj` is COLUMN_GATHERED because its local width
+# (KDA heads / TP) is below the width at which the CPU GEMM gives a column the same bits whatever the
+# matrix width (measured with MKL sgemm: outputs narrower than 12 columns take another code path).
+_LAYER: dict[str, Split] = {
+    "input_layernorm.weight": Split.REPLICATED,
+    "post_attention_layernorm.weight": Split.REPLICATED,
+    "self_attention_res_norm.weight": Split.REPLICATED,
+    "self_attention_res_proj.weight": Split.REPLICATED,
+    "mlp_res_norm.weight": Split.REPLICATED,
+    "mlp_res_proj.weight": Split.REPLICATED,
+    # KDA
+    "self_attn.q_proj.weight": Split.COLUMN,
+    "self_attn.k_proj.weight": Split.COLUMN,
+    "self_attn.v_proj.weight": Split.COLUMN,
+    "self_attn.g_proj.weight": Split.COLUMN,
+    "self_attn.f_a_proj.weight": Split.REGION_REPLICATED,
+    "self_attn.f_b_proj.weight": Split.COLUMN,
+    "self_attn.b_proj.weight": Split.COLUMN_GATHERED,
+    "self_attn.dt_bias": Split.COLUMN,
+    "self_attn.A_log": Split.COLUMN,
+    "self_attn.q_conv1d.weight": Split.COLUMN,
+    "self_attn.k_conv1d.weight": Split.COLUMN,
+    "self_attn.v_conv1d.weight": Split.COLUMN,
+    "self_attn.o_norm.weight": Split.REGION_REPLICATED,
+    "self_attn.o_proj.weight": Split.ROW,
+    # MLA (q_proj, g_proj and o_proj as above)
+    "self_attn.q_a_proj.weight": Split.REGION_REPLICATED,
+    "self_attn.q_a_layernorm.weight": Split.REGION_REPLICATED,
+    "self_attn.q_b_proj.weight": Split.COLUMN,
+    "self_attn.kv_a_proj_with_mqa.weight": Split.REGION_REPLICATED,
+    "self_attn.kv_a_layernorm.weight": Split.REGION_REPLICATED,
+    "self_attn.kv_b_proj.weight": Split.COLUMN,
+    # dense MLP and LatentMoE
+    "mlp.gate_proj.weight": Split.COLUMN,
+    "mlp.up_proj.weight": Split.COLUMN,
+    "mlp.down_proj.weight": Split.ROW,
+    "block_sparse_moe.gate.weight": Split.REPLICATED,
+    "block_sparse_moe.gate.e_score_correction_bias": Split.REPLICATED,
+    "block_sparse_moe.routed_expert_down_proj.weight": Split.REPLICATED,
+    "block_sparse_moe.routed_expert_norm.weight": Split.REPLICATED,
+    "block_sparse_moe.routed_expert_up_proj.weight": Split.REPLICATED,
+    "block_sparse_moe.shared_experts.gate_proj.weight": Split.COLUMN,
+    "block_sparse_moe.shared_experts.up_proj.weight": Split.COLUMN,
+    "block_sparse_moe.shared_experts.down_proj.weight": Split.ROW,
+}
+_TOP: dict[str, Split] = {
+    f"{TEXT_PREFIX}.model.embed_tokens.weight": Split.VOCAB,
+    f"{TEXT_PREFIX}.model.norm.weight": Split.REPLICATED,
+    f"{TEXT_PREFIX}.model.output_attn_res_norm.weight": Split.REPLICATED,
+    f"{TEXT_PREFIX}.model.output_attn_res_proj.weight": Split.REPLICATED,
+    f"{TEXT_PREFIX}.lm_head.weight": Split.VOCAB,
+}
+_LAYER_NAME = re.compile(rf"^{re.escape(TEXT_PREFIX)}\.layers\.\d+\.(.+)$")
+_EXPERT_NAME = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w[123]\.weight$")
+
+
+def split_of(name: str) -> Split:
+    """The `Split` of one official text tensor name; KeyError naming it when the table has no entry."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER_NAME.match(name)
+    if m is not None:
+        rel = m.group(1)
+        if _EXPERT_NAME.match(rel):
+            return Split.EXPERT
+        if rel in _LAYER:
+            return _LAYER[rel]
+    raise KeyError(f"no sharding entry for {name}")
+
+
+def expert_of(name: str) -> int | None:
+    """The expert index of a routed-expert tensor name, else None."""
+    m = _LAYER_NAME.match(name)
+    e = _EXPERT_NAME.match(m.group(1)) if m else None
+    return int(e.group(1)) if e else None
+
+
+def split_roles(cfg: TextConfig) -> dict[str, Split]:
+    """Every text tensor of `cfg` with its `Split` (fails on a name the table cannot place)."""
+    return {name: split_of(name) for name in text_specs(cfg)}
+
+
+def check_divisible(cfg: TextConfig, tp: int, ep: int) -> None:
+    """Raise ValueError naming the config field that `tp` or `ep` does not divide."""
+    need = {
+        "linear_attn_config.num_heads": (cfg.kda_num_heads, tp),
+        "num_attention_heads": (cfg.num_attention_heads, tp),
+        "intermediate_size": (cfg.intermediate_size, tp),
+        "moe_intermediate_size * num_shared_experts": (cfg.moe_intermediate_size * max(cfg.num_shared_experts, 1), tp),
+        "vocab_size": (cfg.vocab_size, tp),
+        "num_experts": (cfg.num_experts or ep, ep),
+    }
+    for field, (size, parts) in need.items():
+        if size % parts:
+            raise ValueError(f"{field} = {size} is not divisible by the parallel size {parts}")
+
+
+def shard(name: str, full: torch.Tensor, split: Split, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's part of `full` (a view; whole tensor when `split` is not TP-split)."""
+    dim = split.tp_dim
+    if dim is None:
+        return full
+    size = full.shape[dim]
+    if size % tp:
+        raise ValueError(f"{name}: dim {dim} of size {size} is not divisible by TP = {tp}")
+    return full.narrow(dim, tp_rank * (size // tp), size // tp)

@@ -1,0 +1,69 @@
+"""Building and stepping the trainer: K3 model on Megatron, Megatron's DDP, Megatron's optimizer (fp32, CPU).
+
+`build_trainer` loads an official checkpoint into a fresh `K3Model` at the current TP/EP sizes and wraps it;
+`train_step` is one forward/backward/step on a caller-supplied loss of the per-token log-probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+
+from parity.config import ModelConfig
+from trainer.checkpoint_io import load_official
+from trainer.config import k3_transformer_config
+from trainer.modules import K3Model
+from trainer.parallel import ParallelContext
+from zerokl.checkpoint import load_checkpoint
+
+
+@dataclass
+class Trainer:
+    """The wrapped model (call it like `K3Model`), its unwrapped module, and Megatron's optimizer."""
+
+    model: DistributedDataParallel
+    module: K3Model
+    optimizer: MegatronOptimizer
+
+
+def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: ParallelContext,
+                kernels: str = "invariant", params_dtype: torch.dtype = torch.float32) -> K3Model:
+    """A `K3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names)."""
+    model = K3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
+    load_official(model, weights)
+    return model
+
+
+def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_grad: float = 1.0,
+                  weight_decay: float = 0.0, kernels: str = "invariant") -> Trainer:
+    """Load `checkpoint`, wrap the model in Megatron's DDP (fp32 grads) and build Megatron's Adam."""
+    model_cfg, weights = load_checkpoint(checkpoint)
+    return wrap(build_model(model_cfg, weights, par, kernels), lr, clip_grad, weight_decay)
+
+
+def wrap(module: K3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Trainer:
+    """Megatron DDP around `module` and `get_megatron_optimizer` (Adam, fp32, no distributed optimizer)."""
+    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                              params_dtype=module.config.params_dtype)
+    return Trainer(ddp, module, get_megatron_optimizer(opt_cfg, [ddp]))
+
+
+def train_step(trainer: Trainer, loss_fn: Callable[[DistributedDataParallel], torch.Tensor]) -> tuple[float, float]:
+    """Zero grads, loss = loss_fn(model), backward, Megatron's grad finalisation (DP all-reduce), optimizer step.
+
+    Returns (loss, grad norm before clipping)."""
+    trainer.model.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    loss = loss_fn(trainer.model)
+    loss.backward()
+    finalize_model_grads([trainer.model])
+    ok, grad_norm, _ = trainer.optimizer.step()
+    if not ok:
+        raise RuntimeError("Megatron optimizer step reported failure")
+    return float(loss.detach()), float(grad_norm)
