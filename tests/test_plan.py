@@ -105,3 +105,10 @@ def test_cli_bad_input_is_one_line_exit_2(overrides: dict[str, object], capsys: 
     assert plan_mod.run(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("zerokl: error: ") and err.count("\n") == 1
+
+
+def test_kimi_linear_48b_plan_uses_its_declared_context() -> None:
+    """The released Kimi-Linear-48B-A3B shape: 48B total / 3B active class, 1M-token context by default."""
+    p = plan(load_model_config("configs/kimi-linear-48b-a3b.yaml"))
+    assert 47e9 < p.total_params < 51e9 and 2.8e9 < p.active_params < 3.8e9
+    assert p.context_tokens == 1048576

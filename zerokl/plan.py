@@ -237,12 +237,18 @@ def vision_params(v: VisionConfig, text_hidden: int) -> int:
 
 
 def default_context_tokens(m: ModelConfig) -> int:
-    """The config's max_position_embeddings (text part), else KimiLinearConfig's default."""
+    """The longest context the config declares: `model_max_length` (Kimi Linear's released configs) or
+    `max_position_embeddings` (text part), whichever is larger; else KimiLinearConfig's default."""
     text_raw: dict[str, Any] = m.raw["text_config"] if m.model_type == "kimi_k3" else m.raw
-    value = text_raw.get("max_position_embeddings", DEFAULT_CONTEXT_TOKENS)
-    if not isinstance(value, int):
-        raise ConfigError(f"text_config: key 'max_position_embeddings' must be an int, got {value!r}")
-    return value
+    values = []
+    for key in ("model_max_length", "max_position_embeddings"):
+        value = text_raw.get(key, m.raw.get(key))
+        if value is None:
+            continue
+        if not isinstance(value, int):
+            raise ConfigError(f"text_config: key '{key}' must be an int, got {value!r}")
+        values.append(value)
+    return max(values, default=DEFAULT_CONTEXT_TOKENS)
 
 
 def check_layout(c: TextConfig, tp: int, ep: int, pp: int, context_tokens: int) -> None:
