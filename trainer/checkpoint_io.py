@@ -4,6 +4,10 @@ Load: every rank reads the whole official checkpoint (what `zerokl init-checkpoi
 copies its shard (`trainer.sharding`) into the fp32 master parameters. Export: shards are all-gathered over TP
 (concatenation along the split dim) and experts over EP, then cast back to each tensor's checkpoint dtype. A
 load followed by an export returns the checkpoint bit for bit (bf16 -> fp32 -> bf16 is exact), whatever the split.
+
+LoRA adapters (`lora.adapter.Adapter`, PEFT format) go the same way: `load_adapter` attaches them and copies
+this rank's shard (`trainer.sharding.lora_splits`), `export_adapter` gathers them whole; load -> export is
+bitwise (fp32 both ways).
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from lora.adapter import Adapter, validate
+from lora.adapter import save_adapter as write_adapter
+from lora.state import write_shard
+from lora.targets import tensor_name
 from parity.weights import TEXT_PREFIX
 from trainer.modules import K3Model, local_experts
-from trainer.sharding import Split, shard, split_roles
+from trainer.sharding import Split, lora_splits, shard, split_of, split_roles
 from zerokl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
@@ -65,8 +73,12 @@ def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor
     return torch.cat(parts, dim=dim)
 
 
-def export_official(model: K3Model) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor, whole and in its checkpoint dtype, on every rank (collective: all ranks call)."""
+def export_official(model: K3Model, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor, whole and in its checkpoint dtype, on every rank (collective: all ranks call).
+
+    compute_dtype: keep the trained text tensors in the parameters' dtype (fp32 master weights) instead of
+    casting to the checkpoint's storage dtype; weight sync into a rollout engine needs the exact bits the
+    trainer computes with."""
     roles = split_roles(model.config.k3.text)
     params = {n: p.detach() for n, p in model.official_parameters().items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -85,7 +97,7 @@ def export_official(model: K3Model) -> dict[str, torch.Tensor]:
             full[name] = _gather(params[name], split.tp_dim, tp_group)
         else:
             full[name] = params[name]
-    out = {n: full[n].to(model.storage_dtypes[n]) for n in roles}
+    out = {n: full[n] if compute_dtype else full[n].to(model.storage_dtypes[n]) for n in roles}
     out.update(model.passthrough)
     return out
 
@@ -98,3 +110,66 @@ def save_official(model: K3Model, out: str | Path) -> Path:
         save_checkpoint(model.config.k3, weights, path)
     dist.barrier()
     return path
+
+
+def load_adapter(model: K3Model, adapter: Adapter) -> list[str]:
+    """Attach a LoRA for every module of `adapter` (freezing the base, `K3Model.add_lora`) and copy this rank's
+    shard of A and B into it; returns the official base weight names adapted. Validates `adapter` first."""
+    validate(adapter, model.config.k3.text)
+    spec = adapter.spec
+    model.add_lora({f"{m}.weight": (spec.rank(m), spec.scale(m)) for m in adapter.weights})
+    model.lora_spec = spec
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for module, (a, b) in adapter.weights.items():
+            base = f"{module}.weight"
+            target = model.lora_module(base)
+            a_split, b_split = lora_splits(split_of(base))
+            target.lora_A.weight.copy_(shard(f"{module}.lora_A", a, a_split, tp_rank, tp))
+            target.lora_B.weight.copy_(shard(f"{module}.lora_B", b, b_split, tp_rank, tp))
+    return list(model.lora_scales)
+
+
+def export_adapter(model: K3Model) -> Adapter:
+    """The model's LoRA adapter, whole and fp32, on every rank (collective: all ranks call)."""
+    if model.lora_spec is None:
+        raise ValueError("the model carries no LoRA adapter (attach one with load_adapter)")
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for base in model.lora_scales:
+        target = model.lora_module(base)
+        a, b = (p.detach() if split.tp_dim is None else _gather(p.detach(), split.tp_dim, tp_group)
+                for split, p in zip(lora_splits(split_of(base)), (target.lora_A.weight, target.lora_B.weight)))
+        weights[base.removesuffix(".weight")] = (a.to(torch.float32).clone(), b.to(torch.float32).clone())
+    return Adapter(model.lora_spec, weights)
+
+
+def save_adapter(model: K3Model, out: str | Path) -> Path:
+    """`export_adapter`, written as a PEFT adapter directory from rank 0 (collective: all ranks call)."""
+    adapter = export_adapter(model)
+    path = Path(out)
+    if dist.get_rank() == 0:
+        write_adapter(adapter, path)
+    dist.barrier()
+    return path
+
+
+def save_adapter_state(model: K3Model, out: str | Path) -> Path:
+    """The trainer's adapter checkpoint: each TP rank of data-parallel replica 0 writes its own shard of A and B
+    (`lora.state`; no gather), then all ranks meet at a barrier. `zerokl lora export` reassembles the shards."""
+    if model.lora_spec is None:
+        raise ValueError("the model carries no LoRA adapter (attach one with load_adapter)")
+    if parallel_state.get_data_parallel_rank() == 0:
+        tensors: dict[str, torch.Tensor] = {}
+        tp_dims: dict[str, int] = {}
+        for base in model.lora_scales:
+            target, module = model.lora_module(base), base.removesuffix(".weight")
+            for which, split in zip("AB", lora_splits(split_of(base))):
+                name = tensor_name(module, which)
+                tensors[name] = getattr(target, f"lora_{which}").weight
+                if split.tp_dim is not None:
+                    tp_dims[name] = split.tp_dim
+        write_shard(out, model.lora_spec, tensors, tp_dims, parallel_state.get_tensor_model_parallel_rank(),
+                    parallel_state.get_tensor_model_parallel_world_size())
+    dist.barrier()
+    return Path(out)

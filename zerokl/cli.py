@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from parity.config import ConfigError
 from parity.checker import DumpError
 from zerokl import parity_cmd, plan
+from zerokl.ppo import cli as ppo_cli
 from zerokl.checkpoint import CheckpointError, init_checkpoint
 
 USER_ERRORS = (ConfigError, CheckpointError, DumpError, FileNotFoundError)
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_init_checkpoint(sub)
     plan.add_parser(sub)
     parity_cmd.add_parser(sub)
+    ppo_cli.add_parser(sub)
     return parser
 
 

