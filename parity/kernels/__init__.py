@@ -80,8 +80,16 @@ FAST = Kernels(
 
 
 def get_kernels(name: str) -> Kernels:
-    """The backend called `name` ('invariant' or 'fast'); anything else is a user error."""
+    """The backend called `name` ('invariant' or 'fast'); anything else is a user error.
+
+    On a machine with CUDA, 'invariant' runs the Triton kernels on CUDA tensors and the CPU kernels on CPU
+    tensors (`parity.kernels.triton.DEVICE_INVARIANT`, chosen per call by the input's device); Triton is
+    imported only there."""
     if name == "invariant":
+        if torch.cuda.is_available():
+            from parity.kernels.triton import DEVICE_INVARIANT
+
+            return DEVICE_INVARIANT
         return INVARIANT
     if name == "fast":
         return FAST

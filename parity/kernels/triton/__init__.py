@@ -1,0 +1,73 @@
+"""Triton versions of the invariant parity kernels (GPU; CPU tensors only under the Triton interpreter).
+
+`TRITON` is a `parity.kernels.Kernels` with the same op signatures as the CPU `INVARIANT` backend and
+the same invariance guarantees: a row's bits never depend on batch size, composition, position in the
+batch, padding, or the prefill/decode split. Parity holds within one platform: these bits are not the
+CPU kernels' bits. What pins each property is in each module's docstring:
+
+| op | module | what pins invariance |
+|---|---|---|
+| linear (+ LoRA) | `linear.py` | one tile config per (N, K, dtype), never from M; no split-K |
+| rmsnorm, gated_rmsnorm, l2norm, sigmoid, GLUs, KDA gate | `rowwise.py` | one row per fixed-width reduction; element-wise ops |
+| short_conv | `conv.py` | W products added in a fixed order, state read by position |
+| kda | `kda.py` | chunk grid anchored at 0, state at chunk boundaries, pending chunk recomputed |
+| attention (+ paged) | `attention.py` | fixed Q/KV tiles from position 0, masked tiles are exact no-ops |
+| attn_res_mix | `attn_res.py` | per-token scores, candidates added in index order |
+| route, experts + combine | `moe.py` | argmax with lowest-index ties; fixed tiles per expert; combine in id order |
+| token_logprobs | `logprobs.py` | per-row online log-sum-exp over fixed vocabulary blocks |
+
+Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
+- `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
+  instead of a plain state tensor; it accepts either as `state` (a tensor means "at a chunk boundary").
+- `experts` (grouped expert GEMMs + combine on stacked expert weights) is an extra op here; the CPU
+  backend runs `parity.kernels.moe.experts_combine` over per-expert weight lists.
+
+`DEVICE_INVARIANT` is the invariant backend that runs these kernels on CUDA tensors and the CPU kernels
+on CPU tensors (chosen per call from the input's device; both are the invariant backend).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from parity.kernels import INVARIANT, Kernels
+from parity.kernels.triton import attention, attn_res, conv, kda, linear, logprobs, moe, rowwise
+from parity.kernels.triton.attention import attention_paged
+from parity.kernels.triton.kda import KDAChunkState
+from parity.kernels.triton.moe import experts
+
+TRITON = Kernels(
+    name="triton",
+    sigmoid=rowwise.sigmoid,
+    linear=linear.linear,
+    rmsnorm=rowwise.rmsnorm,
+    gated_rmsnorm=rowwise.gated_rmsnorm,
+    l2norm=rowwise.l2norm,
+    situ_glu=rowwise.situ_glu,
+    silu_glu=rowwise.silu_glu,
+    short_conv=conv.short_conv,
+    kda_gate=rowwise.kda_gate,
+    kda=kda.kda,
+    attention=attention.attention,
+    attn_res_mix=attn_res.attn_res_mix,
+    route=moe.route,
+    token_logprobs=logprobs.token_logprobs,
+)
+
+
+def _by_device(cpu: Callable, gpu: Callable) -> Callable:
+    def op(x: torch.Tensor, *args, **kwargs):
+        return (gpu if x.is_cuda else cpu)(x, *args, **kwargs)
+
+    op.__doc__ = f"{gpu.__module__}.{gpu.__name__} on CUDA tensors, else {cpu.__module__}.{cpu.__name__}"
+    return op
+
+
+DEVICE_INVARIANT = Kernels(
+    name="invariant",
+    **{f: _by_device(getattr(INVARIANT, f), getattr(TRITON, f)) for f in Kernels.__dataclass_fields__ if f != "name"},
+)
+
+__all__ = ["TRITON", "DEVICE_INVARIANT", "KDAChunkState", "attention_paged", "experts"]

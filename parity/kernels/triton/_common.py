@@ -1,0 +1,90 @@
+"""Shared pieces of the Triton kernels: launch-time constants, dtype rules, and arithmetic helpers.
+
+Every Triton kernel here computes in fp32 and stores in the input dtype (bf16 or fp32). Tensor-core
+dots take bf16 operands as they are; fp32 operands use IEEE fp32 (`ieee`) so fp32 results stay close
+to the CPU kernels. Each choice is a function of dtypes and weight shapes only, never of the number of
+rows, so it cannot move a row's bits.
+
+Under the Triton interpreter (`TRITON_INTERPRET=1` when triton and this package are first imported),
+bf16 dot operands are upcast to fp32 first: triton 3.9's interpreter multiplies bf16 bit patterns as
+integers. Triton decorates its own library at its first import too, so a process is either interpreted
+or compiled throughout (tests/test_kernels_triton.py runs the interpreter suite in a child process).
+Row counts are passed with `do_not_specialize`, so M = 1 and M = 4096 run the same compiled code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # triton < 3.4 has no knobs
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SUPPORTED = (torch.float32, torch.bfloat16)
+
+
+def check_dtype(*xs: torch.Tensor) -> None:
+    """All floating inputs of one op share a supported dtype (fp32 or bf16)."""
+    dt = xs[0].dtype
+    for x in xs:
+        if x.dtype != dt or dt not in SUPPORTED:
+            raise TypeError(f"Triton parity kernels take fp32 or bf16 inputs of one dtype, got {[t.dtype for t in xs]}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`input_precision` for dots whose operands are fp32 when the op's inputs have `dtype`.
+
+    fp32 inputs: IEEE fp32 dots. bf16 inputs: tf32 (the operands were bf16 to begin with)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pow2(n: int, floor: int = 16) -> int:
+    """The next power of two >= max(n, floor) (Triton block sizes are powers of two)."""
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+
+
+@triton.jit
+def mma(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with fp32 accumulation; `UPCAST` (interpreter only) computes bf16 operands in fp32."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def sigmoid_f32(x):
+    """1 / (1 + exp(-x)) in fp32."""
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def tanh_f32(x):
+    """tanh in fp32 from exp only (no libdevice, which the interpreter lacks): odd Taylor polynomial for
+    |x| < 0.125 (error < 1e-10 relative), (1 - e) / (1 + e) with e = exp(-2|x|) above."""
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    t = tl.where(ax < 0.125, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def softplus_f32(x):
+    """log(1 + exp(x)), linear above 20 (as torch and the CPU kernel)."""
+    return tl.where(x > 20.0, x, log1p_f32(tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def log1p_f32(y):
+    """log(1 + y) accurate for small y: log(u) * y / (u - 1) with u = 1 + y (Goldberg), y when u == 1."""
+    u = 1.0 + y
+    d = u - 1.0
+    return tl.where(d == 0.0, y, tl.log(u) * (y / tl.where(d == 0.0, 1.0, d)))

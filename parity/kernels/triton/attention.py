@@ -1,0 +1,139 @@
+"""Causal softmax attention (the MLA core) in Triton, over contiguous or paged KV; bf16 or fp32 inputs.
+
+Invariant: queries are cut into tiles of `BLOCK_Q` rows and keys into tiles of `BLOCK_KV` positions
+anchored at position 0 (fixed constants, never chosen from the batch). Each query walks the key tiles
+from position 0 with an fp32 online softmax (running max m, sum l, accumulator acc) and one code path
+for every tile. A key tile that is fully masked for a query is a bit-exact no-op for it (exp(-inf) = 0,
+rescale exp(0) = 1, acc + 0), so the number of tiles walked (prefill vs decode, other queries in the
+tile, longer neighbours) never changes a query's output. Keys at or past kv_len are loaded as zeros
+and their scores replaced by -inf, so stale cache contents (NaN included) never leak. The paged kernel
+reads the same tiles through the block table, so paged and contiguous KV give the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2
+
+BLOCK_Q = 128
+BLOCK_KV = 64
+LOG2E = math.log2(math.e)
+
+
+@triton.jit(do_not_specialize=["Tq"])
+def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq, D, DV, qk_scale,
+                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb, stb, PAGE,
+                 PAGED: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr, BD2: tl.constexpr,
+                 BDV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """qk_scale = scale * log2(e) (scores in base 2). The head dim is covered by two blocks, BD then BD2
+    (e.g. 192 = 128 + 64, no padding to 256; BD2 = 0: one block). PAGED: k/v are [blocks, PAGE, H, D]
+    caches and key s of row b lives in block table[b, s // PAGE] at offset s % PAGE (skb/svb: block strides)."""
+    pid_q = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rq = pid_q * BQ + tl.arange(0, BQ)
+    qmask = rq < Tq
+    d = tl.arange(0, BD)
+    dv = tl.arange(0, BDV)
+    q = tl.load(q_ptr + b * sqb + rq[:, None] * sqt + h * sqh + d[None, :], mask=qmask[:, None] & (d[None, :] < D),
+                other=0.0)
+    if BD2 > 0:
+        d2 = BD + tl.arange(0, BD2)
+        q2 = tl.load(q_ptr + b * sqb + rq[:, None] * sqt + h * sqh + d2[None, :],
+                     mask=qmask[:, None] & (d2[None, :] < D), other=0.0)
+    pos = tl.load(pos_ptr + b * spb + rq, mask=qmask, other=0)
+    kv_len = tl.load(len_ptr + b)
+    hi = tl.minimum(tl.max(tl.where(qmask, pos, 0), axis=0) + 1, kv_len)
+    m = tl.full((BQ,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BQ,), dtype=tl.float32)
+    acc = tl.zeros((BQ, BDV), dtype=tl.float32)
+    for start in range(0, hi, BKV):
+        ks = start + tl.arange(0, BKV)
+        key_ok = ks < kv_len
+        if PAGED:
+            blk = tl.load(table_ptr + b * stb + ks // PAGE, mask=key_ok, other=0).to(tl.int64)
+            krow = blk * skb + (ks % PAGE) * skt
+            vrow = blk * svb + (ks % PAGE) * svt
+        else:
+            krow = b * skb + ks.to(tl.int64) * skt
+            vrow = b * svb + ks.to(tl.int64) * svt
+        kt = tl.load(k_ptr + krow[None, :] + h * skh + d[:, None], mask=key_ok[None, :] & (d[:, None] < D), other=0.0)
+        vt = tl.load(v_ptr + vrow[:, None] + h * svh + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV),
+                     other=0.0)
+        s = mma(q, kt, tl.zeros((BQ, BKV), dtype=tl.float32), PREC, UPCAST)
+        if BD2 > 0:
+            kt2 = tl.load(k_ptr + krow[None, :] + h * skh + d2[:, None], mask=key_ok[None, :] & (d2[:, None] < D),
+                          other=0.0)
+            s = mma(q2, kt2, s, PREC, UPCAST)
+        s = s * qk_scale
+        visible = (ks[None, :] <= pos[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(o_ptr + b * sob + rq[:, None] * sot + h * soh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=qmask[:, None] & (dv[None, :] < DV))
+
+
+def _split_dim(d: int) -> tuple[int, int]:
+    """Head dim d as two power-of-two blocks (the first the largest power of two <= d, at least 16)."""
+    first = max(16, 1 << (max(d, 1).bit_length() - 1))
+    return first, (pow2(d - first) if d > first else 0)
+
+
+def _launch(q, k, v, q_pos, kv_len, scale, table=None, page=1) -> torch.Tensor:
+    b, tq, h, d = q.shape
+    dv = v.shape[-1]
+    o = torch.empty(b, tq, h, dv, dtype=q.dtype, device=q.device)
+    if b == 0 or tq == 0:
+        return o
+    pos = q_pos.to(torch.int32).contiguous()
+    lens = kv_len.to(torch.int32).contiguous()
+    paged = table is not None
+    tbl = table.to(torch.int32).contiguous() if paged else lens
+    bd, bd2 = _split_dim(d)
+    bdv = pow2(dv)
+    warps = 8
+    grid = (triton.cdiv(tq, BLOCK_Q), b * h)
+    _attn_kernel[grid](q, k, v, pos, lens, o, tbl, h, tq, d, dv, float(scale) * LOG2E,
+                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                       v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+                       pos.stride(0), tbl.stride(0) if paged else 0, page,
+                       PAGED=paged, BQ=BLOCK_Q, BKV=BLOCK_KV, BD=bd, BD2=bd2, BDV=bdv, PREC=dot_precision(q.dtype),
+                       UPCAST=INTERPRET, num_warps=warps, num_stages=2)
+    return o
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    check_dtype(q, k, v)
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("attention inputs need unit stride along the head dim")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """q: [B, Tq, H, D], k: [B, S, H, D], v: [B, S, H, Dv]; q_pos: [B, Tq] absolute positions (key s is
+    visible to a query at position p iff s <= p and s < kv_len[b]); kv_len: [B] -> o: [B, Tq, H, Dv]."""
+    _check(q, k, v)
+    return _launch(q, k, v, q_pos, kv_len, scale)
+
+
+def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """As `attention`, with keys read through a block table: k_cache: [num_blocks, page, H, D],
+    v_cache: [num_blocks, page, H, Dv], block_table: [B, max_blocks] int. Same bits as the contiguous
+    kernel on the gathered keys."""
+    _check(q, k_cache, v_cache)
+    return _launch(q, k_cache, v_cache, q_pos, kv_len, scale, block_table, k_cache.shape[1])

@@ -1,0 +1,249 @@
+"""Invariant GEMM y = x W^T (+ scale * (x A^T) B^T) in Triton, bf16 or fp32, fp32 accumulation.
+
+Invariant: one tile configuration per (N, K, dtype), looked up in `gemm_config`; the number of rows M
+never enters the choice. K is cut into a fixed number of segments (a function of K only); every
+output tile accumulates each segment from zero in BLOCK_K steps, then adds the segment sums in order,
+total = ((0 + s_0) + s_1) + ... . Two launch shapes compute exactly that sequence:
+- fused (large M): one program per tile walks the segments one after another;
+- split (M <= `SPLIT_MAX_M`, decode): one program per (tile, segment) writes its fp32 segment sum and a
+  second kernel adds the sums in segment order (same tile shape, same instructions),
+so a row's bits are the same on both paths (checked on the GPU at M = 1 ... 4096); the split only adds
+parallelism where few rows leave the GPU idle. The rows of a tile are independent inside the matrix
+instructions and padded rows are loaded as zeros, so a row's bits do not depend on how many rows the
+batch has or where the row sits in it. Row counts are not specialised on (`do_not_specialize`).
+The LoRA term is a second GEMM t = x A^T (stored in x's dtype) and a rank-R dot in the epilogue,
+added as `base + (t B^T) * scale` like the CPU kernel.
+
+Two load paths with the same contract: pointer loads (any strides, the interpreter) and Hopper tensor
+descriptors (TMA; contiguous rows, 16-byte aligned). Which one runs is part of the per-shape config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from parity.kernels.linear import LoRA
+from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One GEMM tile configuration; fixed per (N, K, dtype), never chosen from M."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    warps: int = 8
+    stages: int = 4
+    tma: bool = False
+    k_segments: int | None = None  # None: the rule in `segments`
+
+
+SPLIT_MAX_M = 128  # at most this many rows: one program per (tile, K segment), then an ordered add
+DEFAULT_BF16 = GemmConfig(128, 128, 64, 8, 8, 4, tma=True)
+DEFAULT_FP32 = GemmConfig(64, 64, 32, 8, 4, 3, k_segments=1)
+# (N, K) -> config for bf16 weights, from the sweep in bench/kernels_gpu.py on the H200.
+TABLE_BF16: dict[tuple[int, int], GemmConfig] = {
+    (1024, 384): GemmConfig(128, 64, 64, 8, 4, 4, tma=True),  # k3-small up / gate
+    (384, 1024): GemmConfig(128, 64, 64, 8, 4, 4, tma=True),  # k3-small down
+}
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """The tile configuration for an (N, K) weight; a function of the weight alone."""
+    if dtype == torch.bfloat16:
+        return TABLE_BF16.get((n, k), DEFAULT_BF16)
+    return DEFAULT_FP32
+
+
+def segments(k: int, cfg: GemmConfig) -> tuple[int, int]:
+    """(number of K segments, segment length, a multiple of BLOCK_K) for reduction length k: a function
+    of k and the config only. Default: one segment per 1024 of K, at most 4."""
+    n = cfg.k_segments or max(1, min(4, k // 1024))
+    seg = triton.cdiv(triton.cdiv(k, n), cfg.block_k) * cfg.block_k
+    return triton.cdiv(k, seg), seg
+
+
+@triton.jit
+def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped tile order (better L2 reuse); changes which program computes a tile, not its arithmetic."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _lora_epilogue(acc, t_ptr, b_ptr, rm, rn, M, N, R, stm, str_, sbn, sbr, scale,
+                   BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + (t B^T) * scale for the tile's rows rm and columns rn (rank padded with zeros to R_PAD)."""
+    rr = tl.arange(0, R_PAD)
+    t = tl.load(t_ptr + rm[:, None] * stm + rr[None, :] * str_, mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
+    b = tl.load(b_ptr + rn[None, :] * sbn + rr[:, None] * sbr, mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
+    lora = mma(t, b, tl.zeros((BM, BN), dtype=tl.float32), PREC, UPCAST)
+    return acc + lora * scale
+
+
+@triton.jit
+def _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
+              SPLIT: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+              PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """SPLIT: store this segment's fp32 sum at p_ptr[segment]; else (+ LoRA) cast and store y."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT:
+        seg = tl.program_id(1).to(tl.int64)
+        tl.store(p_ptr + seg * M * N + rm[:, None] * N + rn[None, :], total, mask=mask)
+    else:
+        if HAS_LORA:
+            total = _lora_epilogue(total, t_ptr, b_ptr, rm, rn, M, N, R, stm, str_, sbn, sbr, scale, BM, BN, R_PAD,
+                                   PREC, UPCAST)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sym, syn,
+                     R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
+                     HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, BK)
+    if SPLIT:
+        s_lo = tl.program_id(1)
+        s_hi = s_lo + 1
+    else:
+        s_lo = 0
+        s_hi = tl.cdiv(K, SEG)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(s_lo, s_hi):
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(s * SEG, tl.minimum(s * SEG + SEG, K), BK):
+            a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
+            b = tl.load(w_ptr + rn[None, :] * swn + (k0 + rk)[:, None] * swk,  # [BK, BN] view of W^T
+                        mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
+            acc = mma(a, b, acc, PREC, UPCAST)
+        total = total + acc
+    _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
+              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, UPCAST)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
+                     scale, SPLIT: tl.constexpr,
+                     HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    if SPLIT:
+        s_lo = tl.program_id(1)
+        s_hi = s_lo + 1
+    else:
+        s_lo = 0
+        s_hi = tl.cdiv(K, SEG)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(s_lo, s_hi):
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(s * SEG, tl.minimum(s * SEG + SEG, K), BK):
+            a = x_desc.load([pid_m * BM, k0])  # out-of-bounds rows and columns arrive as zeros
+            b = w_desc.load([pid_n * BN, k0])
+            acc = mma(a, tl.trans(b), acc, PREC, UPCAST)
+        total = total + acc
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
+              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, UPCAST)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _segment_sum_kernel(p_ptr, y_ptr, t_ptr, b_ptr, M, N, NSEG, sym, syn, R, stm, str_, sbn, sbr, scale,
+                        HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """total = ((0 + s_0) + s_1) + ... over the split path's segment sums, then the fused path's epilogue."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(0, NSEG):
+        total = total + tl.load(p_ptr + tl.cast(s, tl.int64) * M * N + rm[:, None] * N + rn[None, :], mask=mask,
+                                other=0.0)
+    _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
+              False, HAS_LORA, R_PAD, BM, BN, PREC, UPCAST)
+
+
+def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if TensorDescriptor is None:
+        return False
+    for t in (x, w):
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, lora_t: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
+           scale: float = 0.0, config: GemmConfig | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] (same dtype) -> [M, N] in that dtype; optional epilogue + (t B^T) * scale with
+    t: [M, R], lora_b: [N, R]. `config` overrides the per-shape table (benchmark sweeps only)."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = config or gemm_config(n, k, w.dtype)
+    has_lora = lora_t is not None
+    if has_lora:
+        assert lora_b is not None
+        r = lora_t.shape[1]
+        t_args = (lora_t, lora_b, r, lora_t.stride(0), lora_t.stride(1), lora_b.stride(0), lora_b.stride(1), float(scale))
+    else:
+        t_args = (y, y, 0, 0, 0, 0, 0, 0.0)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    n_seg, seg = segments(k, cfg)
+    split = n_seg > 1 and m <= SPLIT_MAX_M
+    part = torch.empty(n_seg, m, n, dtype=torch.float32, device=x.device) if split else y
+    grid = (tiles, n_seg) if split else (tiles,)
+    common = dict(HAS_LORA=has_lora, R_PAD=pow2(t_args[2]), BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
+                  PREC=dot_precision(x.dtype), UPCAST=INTERPRET, num_warps=cfg.warps)
+    meta = dict(common, SPLIT=split, BK=cfg.block_k, num_stages=cfg.stages)
+    if cfg.tma and _tma_ok(x, w):
+        xd = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
+        wd = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+        _gemm_tma_kernel[grid](xd, wd, y, part, t_args[0], t_args[1], m, n, k, seg, y.stride(0), y.stride(1),
+                               *t_args[2:], **meta)
+    else:
+        _gemm_ptr_kernel[grid](x, w, y, part, t_args[0], t_args[1], m, n, k, seg, x.stride(0), x.stride(1),
+                               w.stride(0), w.stride(1), y.stride(0), y.stride(1), *t_args[2:], **meta)
+    if split:
+        _segment_sum_kernel[(tiles,)](part, y, t_args[0], t_args[1], m, n, n_seg, y.stride(0), y.stride(1),
+                                      *t_args[2:], **common)
+    return y
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
+    """x: [..., K], w: [N, K] (fp32 or bf16, one dtype) -> [..., N]: x W^T + ((x A^T) B^T) * scale."""
+    check_dtype(x, w)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if lora is None:
+        y = matmul(x2, w)
+    else:
+        check_dtype(x, lora.a, lora.b)
+        t = matmul(x2, lora.a)
+        y = matmul(x2, w, t, lora.b, lora.scale)
+    return y.reshape(*lead, w.shape[0])

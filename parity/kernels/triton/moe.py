@@ -1,0 +1,204 @@
+"""MoE in Triton: router (noaux_tc top-k), grouped expert GEMMs with a fused SiTU/SiLU, fixed-order combine.
+
+Invariant:
+- routing is one program per token: k rounds of argmax over the biased scores with ties to the lowest
+  expert index (the CPU kernel's stable sort), ids returned ascending;
+- expert compute sorts the (token, slot) pairs by expert (stable) and cuts each expert's rows into
+  tiles of BLOCK_M rows padded with zeros; every tile is one fixed-shape GEMM, and rows of a tile are
+  independent, so a row's result does not depend on which other tokens chose that expert;
+- combine adds a token's k expert outputs in ascending expert-id order: w_0 y_0 + w_1 y_1 + ...
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2, sigmoid_f32, tanh_f32
+
+
+# --- routing --------------------------------------------------------------------------------------
+
+@triton.jit
+def _route_kernel(l_ptr, bias_ptr, ids_ptr, w_ptr, E, sl, scaling,
+                  TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
+                  BE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    em = e < E
+    logits = tl.load(l_ptr + row * sl + e, mask=em, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = sigmoid_f32(logits)
+    else:
+        ex = tl.exp(logits - tl.max(logits, axis=0))
+        scores = ex / tl.sum(ex, axis=0)
+    biased = scores
+    if HAS_BIAS:
+        biased = scores + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
+    biased = tl.where(em, biased, float("-inf"))
+    chosen = e < 0
+    for _ in tl.static_range(TOPK):
+        best = tl.argmax(biased, axis=0, tie_break_left=True)
+        chosen = chosen | (e == best)
+        biased = tl.where(e == best, float("-inf"), biased)
+    w = tl.where(chosen, scores, 0.0)
+    if RENORM:
+        w = w / tl.sum(w, axis=0)
+    w = w * scaling
+    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending expert id -> slot 0..k-1
+    tl.store(ids_ptr + row * TOPK + slot, e.to(tl.int64), mask=chosen)
+    tl.store(w_ptr + row * TOPK + slot, w, mask=chosen)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
+          activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [N, E] -> (expert ids [N, k] int64 ascending, weights [N, k] fp32)."""
+    n, e = logits.shape
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ids = torch.empty(n, top_k, dtype=torch.long, device=logits.device)
+    w = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
+    if n:
+        _route_kernel[(n,)](x, bias.contiguous() if bias is not None else x, ids, w, e, x.stride(0), float(scaling),
+                            TOPK=top_k, HAS_BIAS=bias is not None, SIGMOID=activation == "sigmoid",
+                            RENORM=renormalize, BE=pow2(e), num_warps=4)
+    return ids, w
+
+
+# --- grouped expert GEMMs -------------------------------------------------------------------------
+
+BLOCK_M = 64
+
+
+def _tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """Sort the N*k slots by expert (stable) and cut each expert's run into tiles of block_m rows.
+
+    Returns (order [N*k] slot index by sorted position, tile_expert [n_tiles], tile_start [n_tiles] sorted
+    position of the tile's first row, tile_rows [n_tiles] valid rows)."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    n_tiles = (counts + block_m - 1) // block_m
+    tile_expert = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), n_tiles)
+    first_tile = torch.cumsum(n_tiles, 0) - n_tiles
+    j = torch.arange(tile_expert.numel(), device=ids.device) - first_tile[tile_expert]  # tile index within expert
+    tile_start = starts[tile_expert] + j * block_m
+    tile_rows = torch.clamp(counts[tile_expert] - j * block_m, max=block_m)
+    return order, tile_expert, tile_start, tile_rows
+
+
+@triton.jit
+def _act(a, b, ACT: tl.constexpr, C0, C1, CLIP_UP: tl.constexpr):
+    """ACT 0: silu(a) * b. 1: SiTU (C0 tanh(a / C0) sigmoid(a)) * (C1 tanh(b / C1) if CLIP_UP else b)."""
+    if ACT == 0:
+        y = a * sigmoid_f32(a) * b
+    else:
+        g = C0 * tanh_f32(a / C0) * sigmoid_f32(a)
+        if CLIP_UP:
+            b = C1 * tanh_f32(b / C1)
+        y = g * b
+    return y
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I, TOPK,
+                    sx, sw_e, sw_n, sh, C0, C1, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """h[p] = act(x[tok] w1_e^T, x[tok] w3_e^T) for the tile's sorted positions p (tok = order[p] // k)."""
+    tile = tl.program_id(0)
+    expert = tl.load(t_exp_ptr + tile).to(tl.int64)
+    start = tl.load(t_start_ptr + tile)
+    nrows = tl.load(t_rows_ptr + tile)
+    r = tl.arange(0, BM)
+    rmask = r < nrows
+    pos = (start + r).to(tl.int64)
+    tok = tl.load(order_ptr + pos, mask=rmask, other=0) // TOPK
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, BK)
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc3 = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, L, BK):
+        kmask = rk + k0 < L
+        a = tl.load(x_ptr + tok[:, None] * sx + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        woff = expert * sw_e + rn[None, :] * sw_n + (k0 + rk)[:, None]
+        wmask = (rn[None, :] < I) & kmask[:, None]
+        acc1 = mma(a, tl.load(w1_ptr + woff, mask=wmask, other=0.0), acc1, PREC, UPCAST)
+        acc3 = mma(a, tl.load(w3_ptr + woff, mask=wmask, other=0.0), acc3, PREC, UPCAST)
+    h = _act(acc1, acc3, ACT, C0, C1, CLIP_UP)
+    tl.store(h_ptr + pos[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (rn[None, :] < I))
+
+
+@triton.jit
+def _down_kernel(h_ptr, w2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I, sh, sw_e, sw_n, sy,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """y[slot] = h[p] w2_e^T (fp32) for the tile's sorted positions p, slot = order[p]."""
+    tile = tl.program_id(0)
+    expert = tl.load(t_exp_ptr + tile).to(tl.int64)
+    start = tl.load(t_start_ptr + tile)
+    nrows = tl.load(t_rows_ptr + tile)
+    r = tl.arange(0, BM)
+    rmask = r < nrows
+    pos = (start + r).to(tl.int64)
+    slot = tl.load(order_ptr + pos, mask=rmask, other=0)
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        kmask = rk + k0 < I
+        a = tl.load(h_ptr + pos[:, None] * sh + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w2_ptr + expert * sw_e + rn[None, :] * sw_n + (k0 + rk)[:, None],
+                    mask=(rn[None, :] < L) & kmask[:, None], other=0.0)
+        acc = mma(a, b, acc, PREC, UPCAST)
+    tl.store(y_ptr + slot[:, None] * sy + rn[None, :], acc, mask=rmask[:, None] & (rn[None, :] < L))
+
+
+@triton.jit
+def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, BL: tl.constexpr):
+    """out[n] = w[n,0] y[n,0] + w[n,1] y[n,1] + ... (slots in ascending expert id)."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BL + tl.arange(0, BL)
+    cm = cols < L
+    out = tl.zeros((BL,), dtype=tl.float32)
+    for j in range(0, TOPK):
+        wj = tl.load(w_ptr + n * TOPK + j)
+        yj = tl.load(y_ptr + (n * TOPK + j) * L + cols, mask=cm, other=0.0)
+        if j == 0:
+            out = wj * yj
+        else:
+            out = out + wj * yj
+    tl.store(out_ptr + n * L + cols, out.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+            w2: torch.Tensor, act: str = "situ", beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+    """x: [N, L], ids/weights: [N, k] (ids ascending per row, from `route`); stacked experts
+    w1, w3: [E, I, L], w2: [E, L, I] (one dtype with x) -> [N, L]:
+    out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n), e = ids[n, j], j = 0..k-1 in order.
+    act: 'situ' (beta, linear_beta) or 'silu'. h = act(...) is stored in x's dtype, y in fp32."""
+    check_dtype(x, w1, w3, w2)
+    n, k = ids.shape
+    n_exp, inter, lat = w1.shape
+    x = x.contiguous()
+    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    out = torch.empty(n, lat, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    order, t_exp, t_start, t_rows = _tiles(ids, n_exp, BLOCK_M)
+    n_tiles = t_exp.numel()
+    prec = dot_precision(x.dtype)
+    bn, bk = 64, 64
+    h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(n * k, lat, dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(n_tiles, triton.cdiv(inter, bn))](
+        x, w1, w3, h, order, t_exp, t_start, t_rows, lat, inter, k, x.stride(0), w1.stride(0), w1.stride(1),
+        h.stride(0), float(beta), float(linear_beta or 1.0), ACT=0 if act == "silu" else 1,
+        CLIP_UP=linear_beta is not None, BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, UPCAST=INTERPRET, num_warps=4,
+        num_stages=3)
+    _down_kernel[(n_tiles, triton.cdiv(lat, bn))](
+        h, w2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, UPCAST=INTERPRET, num_warps=4, num_stages=3)
+    bl = min(pow2(lat), 1024)
+    _combine_kernel[(n, triton.cdiv(lat, bl))](y, weights.contiguous(), out, lat, k, BL=bl, num_warps=4)
+    return out

@@ -1,0 +1,549 @@
+"""The Triton parity kernels: the CPU suite's invariance properties (bits, `torch.equal`) and agreement
+with the CPU kernels / float64 references (tolerances), on two platforms:
+
+- `interp`: the Triton interpreter on CPU tensors at small shapes (runs in CI, no GPU needed), in a
+  child process started with `TRITON_INTERPRET=1` (`test_interpreter_suite`), so the rest of the test
+  session never sees the variable.
+- `cuda`: the compiled kernels on the GPU (`pytest -m gpu`; skipped cleanly without CUDA), plus bf16
+  shapes and the whole K3 forward scored in one pass vs generated token by token through a paged cache.
+
+Bits are compared within one platform only (CPU bits need not equal GPU bits).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity.kernels import FAST, INVARIANT, Kernels
+from parity.kernels.attention import gather_paged
+from parity.kernels.linear import LoRA
+from parity.kernels.moe import experts_combine
+from parity.kernels.primitives import sigmoid
+
+CUDA = torch.cuda.is_available()
+# Triton decides interpreter vs compiler when it is first imported (its own library functions are
+# decorated then), so the interpreter suite runs in a child process started with TRITON_INTERPRET=1.
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+SETTINGS = settings(max_examples=6, deadline=None, derandomize=True)
+FEW = settings(max_examples=4, deadline=None, derandomize=True)  # KDA / MoE: several launches per example
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str
+    mod: ModuleType  # the parity.kernels.triton package
+    dev: str
+
+    @property
+    def k(self) -> Kernels:
+        return self.mod.TRITON
+
+    def t(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dev)
+
+
+def _platform(name: str) -> Platform:
+    import parity.kernels.triton as mod
+
+    assert mod.linear.INTERPRET is (name == "interp")
+    return Platform(name, mod, "cpu" if name == "interp" else "cuda")
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param("interp", id="interp", marks=pytest.mark.skipif(
+        not INTERP, reason="runs in the interpreter child process (test_interpreter_suite)")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA")]),
+])
+def p(request: pytest.FixtureRequest) -> Platform:
+    return _platform(request.param)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Platform:
+    if not CUDA or INTERP:
+        pytest.skip("needs CUDA")
+    return _platform("cuda")
+
+
+@pytest.mark.skipif(INTERP or CUDA, reason="the interpreter suite runs on machines without CUDA")
+def test_interpreter_suite() -> None:
+    """Every `[interp]` test of this file, in a child process with TRITON_INTERPRET=1 (CPU tensors)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-k", "interp",
+                          "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
+
+
+def _first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
+    diff = (a != b).nonzero()
+    if len(diff) == 0:
+        return "equal"
+    idx = tuple(diff[0].tolist())
+    return f"first mismatch at {idx}, max |d| = {(a.double() - b.double()).abs().max().item():.3e}"
+
+
+def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b), _first_mismatch(a, b)
+
+
+def close(a: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(a.double().cpu(), ref.double().cpu(), rtol=tol, atol=tol)
+
+
+def _embed_row(row: torch.Tensor, batch: int, pos: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, *row.shape, generator=g, dtype=row.dtype)
+    x[pos] = row
+    return x
+
+
+# --- linear ---------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(batch=st.integers(1, 150), data=st.data(), k=st.sampled_from([24, 96, 256]), n=st.sampled_from([8, 96, 200]))
+def test_linear_row_invariant(p: Platform, batch: int, data: st.DataObject, k: int, n: int) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    w = p.t(torch.randn(n, k))
+    row = torch.randn(k)
+    alone = p.k.linear(p.t(row.unsqueeze(0)), w)[0]
+    inside = p.k.linear(p.t(_embed_row(row, batch, pos, batch * 7 + pos)), w)[pos]
+    assert_bits(alone, inside)
+
+
+def test_linear_lora_row_invariant_and_reference(p: Platform) -> None:
+    w, lora = torch.randn(96, 64), LoRA(torch.randn(4, 64), torch.randn(96, 4), 0.5)
+    x = torch.randn(70, 64)
+    lora_d = LoRA(p.t(lora.a), p.t(lora.b), lora.scale)
+    full = p.k.linear(p.t(x), p.t(w), lora_d)
+    for i in (0, 5, 69):
+        assert_bits(p.k.linear(p.t(x[i : i + 1]), p.t(w), lora_d)[0], full[i])
+    ref = x.double() @ w.double().t() + 0.5 * (x.double() @ lora.a.double().t()) @ lora.b.double().t()
+    close(full, ref, 1e-4)
+
+
+def test_linear_both_code_paths_row_invariant(p: Platform) -> None:
+    """Pointer and TMA-descriptor loads, one or three K segments (bf16, small tiles): a row alone (the
+    split path: one program per K segment, then the ordered segment add) equals the same row of a
+    200-row product (the fused path)."""
+    lin = p.mod.linear
+    x, w = torch.randn(200, 192).bfloat16(), torch.randn(48, 192).bfloat16()
+    assert 200 > lin.SPLIT_MAX_M
+    for tma in (False, True):
+        for n_seg in (1, 3):
+            cfg = lin.GemmConfig(32, 32, 32, 4, 4, 2, tma=tma, k_segments=n_seg)
+            assert lin.segments(192, cfg) == (n_seg, 192 // n_seg)
+            full = lin.matmul(p.t(x), p.t(w), config=cfg)
+            for i in (0, 31, 32, 199):
+                assert_bits(lin.matmul(p.t(x[i : i + 1]), p.t(w), config=cfg)[0], full[i])
+            close(full.float(), x.double() @ w.double().t(), 0.1)
+    lora = LoRA(p.t(torch.randn(4, 192).bfloat16()), p.t(torch.randn(48, 4).bfloat16()), 0.5)
+    cfg = lin.GemmConfig(32, 32, 32, 4, 4, 2, k_segments=3)
+    t = lin.matmul(p.t(x), lora.a, config=cfg)
+    full = lin.matmul(p.t(x), p.t(w), t, lora.b, 0.5, config=cfg)
+    assert_bits(lin.matmul(p.t(x[7:8]), p.t(w), t[7:8].clone(), lora.b, 0.5, config=cfg)[0], full[7])
+
+
+# --- row-wise ops ---------------------------------------------------------------------------------
+
+@SETTINGS
+@given(batch=st.integers(1, 70), data=st.data(), d=st.sampled_from([32, 100, 256]))
+def test_rowwise_ops_row_invariant(p: Platform, batch: int, data: st.DataObject, d: int) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    k = p.k
+    w = p.t(torch.randn(d))
+    row, gate = torch.randn(d), torch.randn(d)
+    xs, gs = p.t(_embed_row(row, batch, pos, 1 + pos)), p.t(_embed_row(gate, batch, pos, 2 + pos))
+    r1, g1 = xs[pos : pos + 1].clone(), gs[pos : pos + 1].clone()
+    assert_bits(k.rmsnorm(r1, w, 1e-6)[0], k.rmsnorm(xs, w, 1e-6)[pos])
+    assert_bits(k.gated_rmsnorm(r1, g1, w, 1e-6)[0], k.gated_rmsnorm(xs, gs, w, 1e-6)[pos])
+    assert_bits(k.l2norm(r1)[0], k.l2norm(xs)[pos])
+    assert_bits(k.situ_glu(r1, g1, 4.0, 25.0)[0], k.situ_glu(xs, gs, 4.0, 25.0)[pos])
+    assert_bits(k.silu_glu(r1, g1)[0], k.silu_glu(xs, gs)[pos])
+    assert_bits(k.sigmoid(r1)[0], k.sigmoid(xs)[pos])
+    logits = xs * 3
+    tokens = p.t(torch.randint(0, d, (batch,)))
+    assert_bits(k.token_logprobs(logits[pos : pos + 1].clone(), tokens[pos : pos + 1], 0.7)[0],
+                k.token_logprobs(logits, tokens, 0.7)[pos])
+
+
+def test_rowwise_ops_match_float64(p: Platform) -> None:
+    x, g, w = torch.randn(9, 200), torch.randn(9, 200), torch.randn(200)
+    xd, gd, wd = x.double(), g.double(), w.double()
+    k = p.k
+    rms = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    close(k.rmsnorm(p.t(x), p.t(w), 1e-6), rms, 1e-5)
+    close(k.gated_rmsnorm(p.t(x), p.t(g), p.t(w), 1e-6), rms * torch.sigmoid(gd), 1e-5)
+    close(k.l2norm(p.t(x)), xd / torch.sqrt(xd.pow(2).sum(-1, keepdim=True) + 1e-6), 1e-5)
+    for scale in (0.01, 1.0, 10.0):  # tanh's small-argument polynomial and its exp form
+        a, b = xd * scale, gd * scale * 10
+        situ = 4 * torch.tanh(a / 4) * torch.sigmoid(a) * 25 * torch.tanh(b / 25)
+        close(k.situ_glu(p.t(a.float()), p.t(b.float()), 4.0, 25.0), situ, 1e-5)
+        close(k.situ_glu(p.t(a.float()), p.t(b.float()), 4.0, None), 4 * torch.tanh(a / 4) * torch.sigmoid(a) * b, 1e-5)
+    close(k.silu_glu(p.t(x), p.t(g)), F.silu(xd) * gd, 1e-5)
+    toks = torch.randint(0, 200, (9,))
+    ref = torch.log_softmax(xd * 5 / 0.7, -1).gather(1, toks[:, None])[:, 0]
+    close(k.token_logprobs(p.t(x * 5), p.t(toks), 0.7), ref, 1e-5)
+    f, a_log, dt = torch.randn(3, 4, 8) * 5, torch.randn(4), torch.randn(4, 8)
+    for lb in (None, -5.0):
+        close(k.kda_gate(p.t(f), p.t(a_log), p.t(dt), lb), INVARIANT.kda_gate(f.double(), a_log.double(), dt.double(), lb),
+              1e-5)
+
+
+def test_logprobs_large_vocab_and_bf16(p: Platform) -> None:
+    """Several vocabulary blocks (V > 4096), fp32 and bf16 logits, one row alone vs in the batch."""
+    x = torch.randn(3, 9000) * 4
+    toks = torch.tensor([0, 4500, 8999])
+    for dt in (torch.float32, torch.bfloat16):
+        xs = p.t(x.to(dt))
+        full = p.k.token_logprobs(xs, p.t(toks), 1.3)
+        assert_bits(p.k.token_logprobs(xs[2:3].clone(), p.t(toks[2:3]), 1.3)[0], full[2])
+        ref = torch.log_softmax(x.to(dt).double() / 1.3, -1).gather(1, toks[:, None])[:, 0]
+        close(full, ref, 1e-5)
+
+
+# --- short conv -----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(t=st.integers(1, 40), data=st.data())
+def test_short_conv_any_split(p: Platform, t: int, data: st.DataObject) -> None:
+    d, width = 24, 4
+    w = torch.randn(d, width)
+    x = torch.randn(1, t, d)
+    zero = torch.zeros(1, width - 1, d)
+    full, full_state = p.k.short_conv(p.t(x), p.t(w), p.t(zero))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=5)))) if t > 1 else []
+    outs, state, start = [], p.t(zero), 0
+    for end in cuts + [t]:
+        y, state = p.k.short_conv(p.t(x[:, start:end]), p.t(w), state)
+        outs.append(y)
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(state, full_state)
+    ref = F.silu(F.conv1d(F.pad(x.double().transpose(1, 2), (width - 1, 0)), w.double().unsqueeze(1), groups=d)).transpose(1, 2)
+    close(full, ref, 1e-5)
+
+
+# --- KDA ------------------------------------------------------------------------------------------
+
+def _kda_inputs(b: int, t: int, h: int = 2, dk: int = 16, dv: int = 16, seed: int = 0,
+                lower_bound: float | None = -5.0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = INVARIANT.l2norm(torch.randn(b, t, h, dk, generator=g))
+    k = INVARIANT.l2norm(torch.randn(b, t, h, dk, generator=g))
+    v = torch.randn(b, t, h, dv, generator=g)
+    gate = INVARIANT.kda_gate(torch.randn(b, t, h, dk, generator=g), torch.zeros(h), torch.zeros(h, dk), lower_bound)
+    beta = sigmoid(torch.randn(b, t, h, generator=g))
+    return q, k, v, gate, beta
+
+
+def _run_kda(p: Platform, ins: tuple[torch.Tensor, ...], sl: slice, state, valid: torch.Tensor | None = None):
+    q, k, v, g, beta = (p.t(x[:, sl]) for x in ins)
+    return p.k.kda(q, k, v, g, beta, 0.25, state, None if valid is None else p.t(valid))
+
+
+@FEW
+@given(t=st.integers(2, 130), data=st.data())
+def test_kda_any_schedule_and_resume(p: Platform, t: int, data: st.DataObject) -> None:
+    """Prefill chunks + decode steps at random split points (mid-chunk included), and resuming from a
+    saved state, give the one-pass bits (outputs and the boundary state)."""
+    ins = _kda_inputs(1, t, seed=t)
+    s0 = p.t(torch.zeros(1, 2, 16, 16))
+    full, s_full = _run_kda(p, ins, slice(0, t), s0)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, t - 1), min_size=1, max_size=4))))
+    outs, s, start, saved = [], s0, 0, {}
+    for end in cuts + [t]:
+        o, s = _run_kda(p, ins, slice(start, end), s)
+        outs.append(o)
+        saved[end] = s.clone()
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(s.state, s_full.state)
+    assert_bits(s.n, s_full.n)
+    mid = cuts[0]
+    o_resume, s_resume = _run_kda(p, ins, slice(mid, t), saved[mid])
+    assert_bits(o_resume, full[:, mid:])
+    assert_bits(s_resume.state, s_full.state)
+
+
+def test_kda_token_by_token_across_chunks(p: Platform) -> None:
+    """Decode one token at a time across two chunk boundaries (64, 128), chunked prefill between."""
+    t = 140
+    ins = _kda_inputs(1, t, seed=3)
+    s0 = p.t(torch.randn(1, 2, 16, 16) * 0.1)
+    full, s_full = _run_kda(p, ins, slice(0, t), s0)
+    o, s = _run_kda(p, ins, slice(0, 59), s0)
+    outs = [o]
+    steps = [*range(60, 70), 125, *range(126, 132), t]
+    start = 59
+    for end in steps:
+        o, s = _run_kda(p, ins, slice(start, end), s)
+        outs.append(o)
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(s.state, s_full.state)
+
+
+@FEW
+@given(batch=st.integers(1, 4), data=st.data())
+def test_kda_batch_invariant_with_padding(p: Platform, batch: int, data: st.DataObject) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    t = 70
+    ins = _kda_inputs(batch, t, seed=batch)
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, t), min_size=batch, max_size=batch)))
+    valid = torch.arange(t)[None] < lens[:, None]
+    s0 = torch.randn(batch, 2, 16, 16)
+    o, s = _run_kda(p, ins, slice(0, t), p.t(s0), valid)
+    n = int(lens[pos])
+    one = tuple(x[pos : pos + 1, :n] for x in ins)
+    o1, s1 = _run_kda(p, one, slice(0, n), p.t(s0[pos : pos + 1]))
+    assert_bits(o[pos : pos + 1, :n], o1)
+    assert_bits(s.state[pos : pos + 1], s1.state)
+    assert not o[pos, n:].any()
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_matches_float64_recurrence(p: Platform, lower_bound: float | None) -> None:
+    """Chunked outputs and state vs the float64 per-token recurrence; None: unbounded gates (strong decay
+    inside the 16-token diagonal blocks, handled element-wise)."""
+    t = 100
+    q, k, v, g, beta = _kda_inputs(2, t, dk=32, dv=16, lower_bound=lower_bound, seed=7)
+    if lower_bound is None:
+        g = g * 8  # decays down to exp(-40) per token
+    s0 = torch.randn(2, 2, 32, 16) * 0.1
+    o_ref, s_ref = FAST.kda(q.double(), k.double(), v.double(), g.double(), beta.double(), 0.25, s0.double())
+    o, s = p.k.kda(p.t(q), p.t(k), p.t(v), p.t(g), p.t(beta), 0.25, p.t(s0))
+    close(o, o_ref, 1e-4)
+    # the boundary state is the state after token 64
+    _, s64 = FAST.kda(q[:, :64].double(), k[:, :64].double(), v[:, :64].double(), g[:, :64].double(),
+                      beta[:, :64].double(), 0.25, s0.double())
+    close(s.state, s64, 1e-4)
+    assert s.n.tolist() == [t - 64, t - 64]
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+def test_attention_decode_equals_prefill_and_paged(p: Platform) -> None:
+    torch.manual_seed(0)
+    b, t, h, d = 2, 150, 2, 48
+    q, k, v = torch.randn(b, t, h, d), torch.randn(b, t, h, d), torch.randn(b, t, h, 32)
+    pos = torch.arange(t).expand(b, t)
+    lens = torch.tensor([t, 97])
+    full = p.k.attention(p.t(q), p.t(k), p.t(v), p.t(pos), p.t(lens), 0.2)
+    for i in (0, 1, 63, 64, 96, 149):
+        if i >= int(lens[1]):
+            continue
+        one = p.k.attention(p.t(q[1:2, i : i + 1]), p.t(k[1:2, : i + 1]), p.t(v[1:2, : i + 1]),
+                            p.t(pos[1:2, i : i + 1]), p.t(torch.tensor([i + 1])), 0.2)
+        assert_bits(one[0, 0], full[1, i])
+    block = 16
+    nblk = -(-t // block)
+    perm = torch.randperm(nblk + 3)[:nblk]
+    cache_k = torch.full((nblk + 3, block, h, d), float("nan"))
+    cache_v = torch.full((nblk + 3, block, h, 32), float("nan"))
+    cache_k[perm] = F.pad(k[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, d)
+    cache_v[perm] = F.pad(v[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, 32)
+    cache_k[perm[-1], t % block :] = float("nan")
+    cache_v[perm[-1], t % block :] = float("nan")
+    table = perm.view(1, -1)
+    gathered = p.k.attention(p.t(q[:1]), p.t(gather_paged(cache_k, table, lens[:1])),
+                             p.t(gather_paged(cache_v, table, lens[:1])), p.t(pos[:1]), p.t(lens[:1]), 0.2)
+    assert_bits(gathered, full[:1])
+    paged = p.mod.attention_paged(p.t(q[:1]), p.t(cache_k), p.t(cache_v), p.t(table), p.t(pos[:1]), p.t(lens[:1]), 0.2)
+    assert_bits(paged, full[:1])
+    ref = FAST.attention(q.double(), k.double(), v.double(), pos, lens, 0.2)
+    close(full, ref, 1e-5)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 5), data=st.data())
+def test_attention_batch_invariant(p: Platform, batch: int, data: st.DataObject) -> None:
+    i = data.draw(st.integers(0, batch - 1))
+    t = data.draw(st.integers(1, 80))
+    g = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(batch, 80, 2, 32, generator=g) for _ in range(3))
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, 80), min_size=batch, max_size=batch)))
+    lens[i] = t
+    pos = torch.arange(80).expand(batch, 80).clamp(max=lens[:, None] - 1)
+    full = p.k.attention(p.t(q), p.t(k), p.t(v), p.t(pos), p.t(lens), 0.3)
+    alone = p.k.attention(p.t(q[i : i + 1, :t]), p.t(k[i : i + 1, :t]), p.t(v[i : i + 1, :t]), p.t(pos[i : i + 1, :t]),
+                          p.t(lens[i : i + 1]), 0.3)
+    assert_bits(alone[0], full[i, :t])
+
+
+# --- AttnRes --------------------------------------------------------------------------------------
+
+def test_attn_res_mix_row_invariant_and_reference(p: Platform) -> None:
+    c = torch.randn(13, 4, 64)
+    nw, pw = torch.randn(64), torch.randn(64)
+    full = p.k.attn_res_mix(p.t(c), p.t(nw), p.t(pw), 1e-6)
+    for i in (0, 7, 12):
+        assert_bits(p.k.attn_res_mix(p.t(c[i : i + 1]), p.t(nw), p.t(pw), 1e-6)[0], full[i])
+    cd = c.double()
+    s = (cd * torch.rsqrt(cd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()) @ pw.double()
+    close(full, (torch.softmax(s, -1).unsqueeze(-1) * cd).sum(1), 1e-5)
+
+
+# --- MoE ------------------------------------------------------------------------------------------
+
+def _experts(e: int, lat: int, inter: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(e, inter, lat, generator=g) / 8, torch.randn(e, inter, lat, generator=g) / 8,
+            torch.randn(e, lat, inter, generator=g) / 8)
+
+
+def _moe(p: Platform, x, logits, bias, w1, w3, w2):
+    ids, w = p.k.route(p.t(logits), p.t(bias), 4, True, 2.5, "sigmoid")
+    return ids, p.mod.experts(p.t(x), ids, w, p.t(w1), p.t(w3), p.t(w2), "situ", 4.0, 25.0)
+
+
+@FEW
+@given(batch=st.integers(1, 70), data=st.data())
+def test_moe_token_invariant_with_ties(p: Platform, batch: int, data: st.DataObject) -> None:
+    """A token's routing and output are the same whatever other tokens share the batch, ties included."""
+    pos = data.draw(st.integers(0, batch - 1))
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, lat, generator=g)
+    logits = torch.randn(batch, e, generator=g)
+    logits[pos, :8] = 0.5
+    logits[pos, 8:] = -1.0 - logits[pos, 8:].abs()
+    bias = torch.zeros(e)
+    ids, out = _moe(p, x, logits, bias, w1, w3, w2)
+    ids1, out1 = _moe(p, x[pos : pos + 1], logits[pos : pos + 1], bias, w1, w3, w2)
+    assert_bits(ids[pos], ids1[0])
+    assert ids1[0].tolist() == [0, 1, 2, 3]
+    assert_bits(out[pos], out1[0])
+
+
+def test_moe_matches_cpu_kernels(p: Platform) -> None:
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    x, logits, bias = torch.randn(9, lat), torch.randn(9, e), torch.randn(e) * 0.1
+    ids, out = _moe(p, x, logits, bias, w1, w3, w2)
+    ids_c, w_c = INVARIANT.route(logits, bias, 4, True, 2.5, "sigmoid")
+    assert torch.equal(ids.cpu(), ids_c)
+    act = lambda a, b: INVARIANT.situ_glu(a, b, 4.0, 25.0)  # noqa: E731
+    ref = experts_combine(x, ids_c, w_c, list(w1), list(w3), list(w2), INVARIANT.linear, act)
+    close(out, ref, 1e-5)
+
+
+# --- GPU only: bf16 at model widths ---------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_linear_bf16_rows_equal_at_every_m(gpu: Platform) -> None:
+    """bf16 GEMM at K3 widths: rows of M = 1 .. 4096 (split-K-segment path up to SPLIT_MAX_M rows, fused
+    above) equal the same rows of the M = 4096 product; with a LoRA term too."""
+    for n, k in ((7168, 7168), (4096, 4096), (1024, 384)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        full = gpu.k.linear(x, w)
+        for m in (1, 3, 16, 33, 64, 128, 129, 1000):
+            assert_bits(gpu.k.linear(x[-m:].clone(), w), full[-m:])
+        close(full[:64].float(), x[:64].double() @ w.double().t(), 0.1 * k**0.5 / 8)
+        lora = LoRA(torch.randn(16, k, device="cuda", dtype=torch.bfloat16) / k**0.5,
+                    torch.randn(n, 16, device="cuda", dtype=torch.bfloat16), 0.5)
+        full = gpu.k.linear(x, w, lora)
+        for m in (1, 64, 1000):
+            assert_bits(gpu.k.linear(x[-m:].clone(), w, lora), full[-m:])
+
+
+@pytest.mark.gpu
+def test_gpu_kda_bf16_prefill_equals_decode(gpu: Platform) -> None:
+    """bf16 KDA at K3 head size (d = 128): one pass = prefill 1000 + decode; and close to float64."""
+    t, h, d = 1100, 4, 128
+    q, k, v, g, beta = _kda_inputs(1, t, h=h, dk=d, dv=d, seed=11)
+    ins = tuple(x.cuda().bfloat16() if x is not g else x.cuda() for x in (q, k, v, g, beta))
+    s0 = torch.zeros(1, h, d, d, device="cuda")
+    full, s_full = gpu.k.kda(*ins, d**-0.5, s0)
+    o1, s = gpu.k.kda(*(x[:, :1000] for x in ins), d**-0.5, s0)
+    outs = [o1]
+    for i in range(1000, 1040):
+        o, s = gpu.k.kda(*(x[:, i : i + 1] for x in ins), d**-0.5, s)
+        outs.append(o)
+    assert_bits(torch.cat(outs, 1), full[:, :1040])
+    ref, _ = FAST.kda(*(x.double().cpu() for x in ins[:4]), ins[4].double().cpu(), d**-0.5, s0.double().cpu())
+    assert (full.double().cpu() - ref).abs().max() < 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_attention_bf16_decode_equals_prefill(gpu: Platform) -> None:
+    b, t, h, d, dv = 1, 1000, 8, 192, 128
+    q, k = (torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(b, t, h, dv, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(t, device="cuda").view(1, -1)
+    lens = torch.tensor([t], device="cuda")
+    full = gpu.k.attention(q, k, v, pos, lens, d**-0.5)
+    for i in (0, 63, 64, 500, 999):
+        one = gpu.k.attention(q[:, i : i + 1], k[:, : i + 1], v[:, : i + 1], pos[:, i : i + 1],
+                              torch.tensor([i + 1], device="cuda"), d**-0.5)
+        assert_bits(one[0, 0], full[0, i])
+
+
+# --- GPU only: the whole K3 forward ---------------------------------------------------------------
+
+class _PagedLatentCache:
+    """`parity.model.MLACache`'s interface over a paged pool (one sequence): blocks in shuffled order,
+    unwritten slots hold NaN; `latent` gathers through the block table."""
+
+    def __init__(self, width: int, block: int, n_blocks: int) -> None:
+        self.pool = torch.full((n_blocks, block, width), float("nan"))
+        self.table = torch.randperm(n_blocks).view(1, -1)
+        self.length = torch.zeros(1, dtype=torch.long)
+        self.block = block
+
+    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
+        start, n = int(self.length[0]), int(lens[0])
+        slots = torch.arange(start, start + n)
+        self.pool[self.table[0, slots // self.block], slots % self.block] = new[0, :n]
+        self.length = self.length + lens
+
+    @property
+    def latent(self) -> torch.Tensor:
+        return gather_paged(self.pool, self.table, self.length)
+
+
+@pytest.mark.gpu
+def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform) -> None:
+    """k3-tiny on the GPU kernels: sequences scored in one batched pass equal, bit for bit, the same
+    sequences generated token by token (prefill split, then decode) through a paged MLA cache and the
+    chunked KDA state; and agree with the CPU invariant forward within fp32 round-off."""
+    from parity.config import load_model_config
+    from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
+    from zerokl.checkpoint import random_weights
+
+    cfg = load_model_config("configs/k3-tiny.yaml")
+    official = random_weights(cfg, seed=0)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(4, 1024, (n,), generator=g).tolist() for n in (150, 97, 40)]
+    cpu_lp = score_sequences(K3Forward(K3Weights.from_official(cfg.text, official), INVARIANT), seqs[2:])[0]
+    with torch.device("cuda"):
+        fwd = K3Forward(K3Weights.from_official(cfg.text, {n: t.cuda() for n, t in official.items()}), gpu.k)
+        batched = score_sequences(fwd, seqs)
+        for seq, split in ((seqs[0], 37), (seqs[1], 70)):
+            caches = new_cache(cfg.text, 1)
+            caches = [_PagedLatentCache(c.latent.shape[-1], 16, 24) if isinstance(c, MLACache) else c for c in caches]
+            out, start = [], 0
+            for end in [split, *range(split + 1, len(seq) + 1)]:
+                ids = torch.tensor([seq[start:end]])
+                pos = torch.arange(start, end).view(1, -1)
+                hidden = fwd.hidden(ids, pos, torch.tensor([end - start]), caches)
+                n_lp = end - start if end < len(seq) else end - start - 1
+                logits = fwd.logits(hidden[0, :n_lp])
+                out.append(fwd.token_logprobs(logits, torch.tensor(seq[start + 1 : start + 1 + n_lp]), 1.0))
+                start = end
+            assert_bits(torch.cat(out), batched[seqs.index(seq)])
+    close(batched[2], cpu_lp, 1e-4)
