@@ -1,0 +1,224 @@
+"""`zerokl parity check` and `selftest`: sample with the real vLLM rollout engine, score the same token ids
+with the real Megatron trainer forward, compare every sampled token's log-prob bit for bit.
+
+Batch mixes: `random` (all prompts in one engine call, shuffled), `alone` (one prompt per call), `both`
+(both, and the two rollouts must also agree with each other). On a mismatch the first mismatching
+sequence is re-run through the shared forward on both sides (rollout weights + decode schedule vs trainer
+weights + one pass), capturing every block, and the first block whose outputs differ is named.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from parity.checker import DumpError, ParityReport, SequenceLogprobs, compare
+from parity.config import ModelConfig
+from parity.diagnose import Divergence, diagnose
+from parity.kernels import get_kernels
+from parity.model import K3Forward, K3Weights
+from zerokl.checkpoint import load_checkpoint
+from zerokl.tasks import make_task
+
+ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
+
+
+@dataclass
+class CheckResult:
+    report: ParityReport
+    rollout: list[SequenceLogprobs]
+    trainer: list[SequenceLogprobs]
+    diagnosis: Divergence | None
+    mix_mismatch: int  # sequences whose `alone` and `random` rollouts differ (batch-mix both)
+
+
+def load_prompts(path: str | Path, tokenizer: Any) -> list[list[int]]:
+    """JSONL of {"prompt": text} or {"prompt_token_ids": [...]}; fails naming the bad line."""
+    prompts = []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DumpError(f"{path}:{lineno}: not JSON ({e})") from None
+        if "prompt_token_ids" in row:
+            prompts.append([int(t) for t in row["prompt_token_ids"]])
+        elif "prompt" in row:
+            prompts.append(tokenizer.encode(row["prompt"]).ids)
+        else:
+            raise DumpError(f"{path}:{lineno}: expected a 'prompt' or 'prompt_token_ids' key")
+    if not prompts:
+        raise DumpError(f"{path}: no prompts")
+    return prompts
+
+
+def task_prompts(n: int, seed: int, tokenizer: Any) -> list[list[int]]:
+    """`n` prompts from the shipped addition task."""
+    task, rng = make_task("addition", digits=2), random.Random(seed)
+    return [tokenizer.encode(task.sample(rng).prompt).ids for _ in range(n)]
+
+
+class Checker:
+    """A rollout engine and a trainer model on the same checkpoint, kept alive across checks."""
+
+    def __init__(self, model: str | Path, kernels: str = "invariant", engine_args: dict[str, Any] | None = None):
+        from rollout.engine import RolloutEngine
+        from tokenizers import Tokenizer
+        from trainer.parallel import init_parallel
+        from trainer.train import build_model
+
+        self.path = Path(model)
+        self.kernels = kernels
+        self.cfg, self.tensors = load_checkpoint(self.path)
+        self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        self.par = init_parallel(1, 1)
+        self.trainer = build_model(self.cfg, self.tensors, self.par, kernels)
+        self.engine = RolloutEngine(self.path, kernels=kernels, **(engine_args or ENGINE_ARGS))
+
+    def rollout(self, prompts: list[list[int]], mix: str, max_tokens: int, temperature: float,
+                seed: int) -> list[Any]:
+        """Samples in prompt order; `random` submits them shuffled in one call, `alone` one call each."""
+        seeds = [seed * 1_000_003 + i for i in range(len(prompts))]
+        if mix == "alone":
+            return [self.engine.generate([p], temperature=temperature, max_tokens=max_tokens, seed=[s])[0]
+                    for p, s in zip(prompts, seeds)]
+        order = list(range(len(prompts)))
+        random.Random(seed).shuffle(order)
+        out = self.engine.generate([prompts[i] for i in order], temperature=temperature, max_tokens=max_tokens,
+                                   seed=[seeds[i] for i in order])
+        back: list[Any] = [None] * len(prompts)
+        for pos, i in enumerate(order):
+            back[i] = out[pos]
+        return back
+
+    def score(self, samples: list[Any], temperature: float) -> list[torch.Tensor]:
+        """The trainer's log-probs of each sample's completion tokens (one padded forward, no grad)."""
+        from trainer.logprobs import PaddedBatch, token_logprobs
+
+        batch = PaddedBatch.from_sequences([s.prompt_ids + s.completion_ids for s in samples])
+        with torch.no_grad():
+            lp = token_logprobs(self.trainer, batch, temperature)
+        return [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.completion_ids)]
+                for i, s in enumerate(samples)]
+
+    def check(self, prompts: list[list[int]], mix: str = "both", max_tokens: int = 32, temperature: float = 1.0,
+              seed: int = 0, diagnose_failures: bool = True,
+              rollout_weights: dict[str, torch.Tensor] | None = None) -> CheckResult:
+        """Compare rollout and trainer log-probs; `rollout_weights` are what the engine holds when they
+        differ from the checkpoint (the selftest's perturbed weights)."""
+        mixes = ["random", "alone"] if mix == "both" else [mix]
+        runs = {m: self.rollout(prompts, m, max_tokens, temperature, seed) for m in mixes}
+        mix_mismatch = 0
+        if mix == "both":
+            mix_mismatch = sum(a.completion_ids != b.completion_ids or not torch.equal(a.logprobs, b.logprobs)
+                               for a, b in zip(runs["random"], runs["alone"]))
+        rollout_seqs, trainer_seqs = [], []
+        for m, samples in runs.items():
+            for i, (s, lp) in enumerate(zip(samples, self.score(samples, temperature))):
+                rollout_seqs.append(SequenceLogprobs(f"{m}-{i}", s.completion_ids, s.logprobs, s.prompt_ids))
+                trainer_seqs.append(SequenceLogprobs(f"{m}-{i}", s.completion_ids, lp.clone(), s.prompt_ids))
+        report = compare(rollout_seqs, trainer_seqs)
+        div = None
+        if diagnose_failures and not report.all_equal:
+            first = next(d for d in report.sequences if d.first_mismatch is not None)
+            seq = next(s for s in rollout_seqs if s.id == first.id)
+            div = self.diagnose(seq, rollout_weights)
+        return CheckResult(report, rollout_seqs, trainer_seqs, div, mix_mismatch)
+
+    def diagnose(self, seq: SequenceLogprobs, rollout_weights: dict[str, torch.Tensor] | None) -> Divergence | None:
+        kernels = get_kernels(self.kernels)
+        trainer_side = K3Forward(K3Weights.from_official(self.cfg.text, self.tensors), kernels)
+        rollout_side = K3Forward(K3Weights.from_official(self.cfg.text, rollout_weights or self.tensors), kernels)
+        tokens = seq.prompt_token_ids + seq.token_ids
+        return diagnose((rollout_side, "decode"), (trainer_side, "one_pass"), tokens, prefill=len(seq.prompt_token_ids))
+
+    def close(self) -> None:
+        from trainer.parallel import destroy_parallel
+
+        self.engine.close()
+        destroy_parallel(self.par)
+
+
+def expected_block(cfg: ModelConfig, name: str) -> str:
+    """The first captured block a change to tensor `name` can alter (see parity.diagnose's block order)."""
+    parts = name.split(".")
+    if "layers" in parts:
+        i = int(parts[parts.index("layers") + 1])
+        rest = ".".join(parts[parts.index("layers") + 2:])
+        attn_side = ("self_attn.", "input_layernorm.", "self_attention_res_")
+        return f"layer{i}.attn" if rest.startswith(attn_side) else f"layer{i}.mlp"
+    if "embed_tokens" in name:
+        return "embed"
+    if "output_attn_res" in name:
+        return "final"
+    return "logits"
+
+
+@dataclass(frozen=True)
+class Trial:
+    tensor: str
+    index: int
+    detected: bool
+    expected_block: str
+    diagnosed_block: str | None
+    redraws: int  # earlier draws whose one-ulp change altered no log-prob at all (nothing to detect)
+
+    @property
+    def ok(self) -> bool:
+        return self.detected and self.diagnosed_block == self.expected_block
+
+
+def selftest(checker: Checker, prompts: list[list[int]], trials: int = 20, seed: int = 0, max_tokens: int = 16,
+             temperature: float = 1.0, log: Any = print) -> list[Trial]:
+    """Perturb one random weight element by one fp32 ulp on the rollout side only, `trials` times; each time
+    `check` must fail and the diagnosis must name the block that tensor feeds. A draw whose change alters no
+    sampled log-prob (verified through the shared forward) has nothing to detect and is redrawn, counted."""
+    from parity.weights import text_specs
+    from zerokl.sync.bundle import WeightBundle
+
+    rng = random.Random(seed)
+    base = {n: checker.tensors[n].to(torch.float32) for n in text_specs(checker.cfg.text)}
+    names = sorted(base)
+    results = []
+    for trial in range(trials):
+        redraws = 0
+        while True:
+            name = rng.choice(names)
+            index = rng.randrange(base[name].numel())
+            perturbed = dict(base)
+            t = base[name].clone()
+            flat = t.view(-1)
+            flat[index] = torch.nextafter(flat[index], torch.tensor(float("inf")))
+            perturbed[name] = t
+            checker.engine.update_weights(WeightBundle.make(checker.engine.policy_version + 1, perturbed))
+            res = checker.check(prompts, mix="random", max_tokens=max_tokens, temperature=temperature,
+                                seed=seed + trial, rollout_weights=perturbed)
+            checker.engine.update_weights(WeightBundle.make(checker.engine.policy_version + 1, base))
+            if res.report.all_equal and _no_effect(checker, res, perturbed, temperature):
+                redraws += 1
+                continue
+            block = res.diagnosis.block if res.diagnosis else None
+            trial_result = Trial(name, index, not res.report.all_equal, expected_block(checker.cfg, name), block, redraws)
+            log(f"trial {trial + 1}/{trials}: {name}[{index}] +1 ulp -> "
+                f"{'detected' if trial_result.detected else 'MISSED'}, diagnosis {block} "
+                f"(expected {trial_result.expected_block}){'' if trial_result.ok else '  <-- WRONG'}"
+                f"{f'; {redraws} earlier draws changed no log-prob' if redraws else ''}")
+            results.append(trial_result)
+            break
+    return results
+
+
+def _no_effect(checker: Checker, res: CheckResult, perturbed: dict[str, torch.Tensor], temperature: float) -> bool:
+    """True when the perturbed weights give exactly the unperturbed log-probs on the sampled sequences."""
+    from parity.model import score_sequences
+
+    fwd = K3Forward(K3Weights.from_official(checker.cfg.text, perturbed), get_kernels(checker.kernels))
+    seqs = [s.prompt_token_ids + s.token_ids for s in res.rollout]
+    scored = score_sequences(fwd, seqs, temperature)
+    return all(torch.equal(lp[len(s.prompt_token_ids) - 1:], s.logprobs) for lp, s in zip(scored, res.rollout))
