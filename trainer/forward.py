@@ -16,6 +16,10 @@ mappings, so that each token's log-prob keeps the bits of the one-process forwar
 Gradients: inside a TP region (a KDA/MLA block or a gated MLP) each rank back-propagates its heads only, so
 the region input and the region's replicated parameters are entered through `copy_to` (gradient summed over
 TP); gathers split the gradient back to the shard. With TP = EP = 1 every mapping is the identity.
+
+LoRA: `K3Weights.lora` holds each adapted weight's (A, B, scale) as `lora_view` places them
+(`trainer.sharding.lora_splits`); the parity linear adds scale * ((x A^T) B^T) inside the same `_lin` call
+as the base GEMM, so ROW / COLUMN_GATHERED / COLUMN handling applies to the LoRA term unchanged.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ from megatron.core.tensor_parallel import (
 )
 
 from parity.kernels import get_kernels
+from parity.kernels.linear import LoRA
 from parity.kernels.moe import experts_combine
 from parity.model import K3Forward, K3Weights, KDACache, MLACache
-from trainer.sharding import Split, split_roles
+from trainer.sharding import Split, lora_splits, split_of, split_roles
 
 if TYPE_CHECKING:
     from megatron.core.tensor_parallel import VocabParallelEmbedding
@@ -84,6 +89,19 @@ def parameter_view(model: K3Model, roles: dict[str, Split], tp_group: dist.Proce
     return view
 
 
+def lora_view(model: K3Model, tp_group: dist.ProcessGroup) -> dict[str, LoRA]:
+    """Official base weight name -> the LoRA the parity forward adds to it: this rank's A and B, the
+    REGION_REPLICATED ones entered through `copy_to` (gradient summed over TP), with the model's scale."""
+    view: dict[str, LoRA] = {}
+    for base, scale in model.lora_scales.items():
+        module = model.lora_module(base)
+        a, b = module.lora_A.weight, module.lora_B.weight
+        a_split, b_split = lora_splits(split_of(base))
+        view[base] = LoRA(copy_to_tp(a, tp_group) if a_split is Split.REGION_REPLICATED else a,
+                          copy_to_tp(b, tp_group) if b_split is Split.REGION_REPLICATED else b, scale)
+    return view
+
+
 def fold_slots(products: torch.Tensor) -> torch.Tensor:
     """products: [N, k, L], products[:, j] = weight_j * expert_j(x) -> [N, L], added in slot order j = 0..k-1,
     the order and operands of `parity.kernels.moe.experts_combine` (so the same bits)."""
@@ -119,8 +137,9 @@ class ParallelK3Forward(K3Forward):
         local = dataclasses.replace(text, kda_num_heads=text.kda_num_heads // tp,
                                     num_attention_heads=text.num_attention_heads // tp)
         roles = split_roles(text)
-        view = parameter_view(model, roles, parallel_state.get_tensor_model_parallel_group())
-        return cls(K3Weights(local, view), config.kernels, roles, model.model.embed_tokens, text.num_experts or 0)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        weights = K3Weights(local, parameter_view(model, roles, tp_group), lora_view(model, tp_group))
+        return cls(weights, config.kernels, roles, model.model.embed_tokens, text.num_experts or 0)
 
     # --- tensor parallel ------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

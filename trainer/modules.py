@@ -8,6 +8,9 @@ as the checkpoint does); norms, KDA gate parameters, conv kernels and the router
 
 No block has numerics of its own: `K3Model.forward` gives the live parameters to the shared forward in
 `parity.model` through `trainer.forward.ParallelK3Forward`, which adds the TP/EP communication.
+
+LoRA (`K3Model.add_lora`): a target projection gets two children named as PEFT names them, `lora_A` ([r, in])
+and `lora_B` ([out, r]), each holding a `weight`; the base parameters are frozen. `lora_splits` places them.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
-from parity.weights import TEXT_PREFIX
+from lora.spec import LoraSpec
+from parity.weights import TEXT_PREFIX, text_specs
 from trainer.config import K3TransformerConfig
 from trainer.forward import ParallelK3Forward
 from trainer.logprobs import padded_logprobs
+from trainer.sharding import lora_splits, split_of
+
+LORA_PARTS = ("lora_A", "lora_B")
 
 
 def _unused_init(weight: torch.Tensor) -> None:
@@ -232,7 +239,9 @@ class K3Model(MegatronModule):
 
     Parameters are fp32 masters (`config.params_dtype`) filled by `trainer.checkpoint_io.load_official`;
     `passthrough` keeps the checkpoint's non-text tensors (vision tower) and `storage_dtypes` each text
-    tensor's checkpoint dtype, so an export writes back exactly what was loaded.
+    tensor's checkpoint dtype, so an export writes back exactly what was loaded. `lora_scales` maps each
+    official base weight name that carries a LoRA (`add_lora`) to its scale; `lora_spec` is the adapter's
+    config (set by `trainer.checkpoint_io.load_adapter`, kept for export).
     """
 
     def __init__(self, config: K3TransformerConfig):
@@ -244,11 +253,45 @@ class K3Model(MegatronModule):
             self.lm_head = _column(config, c.hidden_size, c.vocab_size)
         self.passthrough: dict[str, torch.Tensor] = {}
         self.storage_dtypes: dict[str, torch.dtype] = {}
+        self.lora_scales: dict[str, float] = {}
+        self.lora_spec: LoraSpec | None = None
 
     def official_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's parameters under their official text tensor names (local shards, local experts)."""
-        return {f"{TEXT_PREFIX}.{name}": p for name, p in self.named_parameters()}
+        """This rank's parameters under their official text tensor names (local shards, local experts); no LoRA."""
+        return {f"{TEXT_PREFIX}.{name}": p for name, p in self.named_parameters() if not _is_lora(name)}
+
+    def lora_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's LoRA parameters under their official-style names
+        (`language_model.layers.N.<module>.lora_A.weight`: PEFT's names without `base_model.model.`)."""
+        return {f"{TEXT_PREFIX}.{name}": p for name, p in self.named_parameters() if _is_lora(name)}
+
+    def lora_module(self, base: str) -> nn.Module:
+        """The module holding the official base weight `base` (and its `lora_A` / `lora_B`)."""
+        return self.get_submodule(base.removeprefix(f"{TEXT_PREFIX}.").removesuffix(".weight"))
+
+    def add_lora(self, targets: dict[str, tuple[int, float]]) -> None:
+        """Give each official base weight name in `targets` a LoRA of (rank, scale) and freeze every base parameter.
+
+        A and B are uninitialised parameters in `config.params_dtype` (placed by `lora_splits`); fill them with
+        `trainer.checkpoint_io.load_adapter`. Call before wrapping in DDP (which registers trainable parameters)."""
+        if self.lora_scales:
+            raise ValueError("the model already carries LoRA adapters")
+        config: K3TransformerConfig = self.config
+        specs = text_specs(config.k3.text)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        for base, (rank, scale) in targets.items():
+            module = self.lora_module(base)
+            out_f, in_f = specs[base].shape
+            _, b_split = lora_splits(split_of(base))
+            module.lora_A = Weight(_param(config, rank, in_f))
+            module.lora_B = Weight(_param(config, out_f, rank, tp_dim=b_split.tp_dim))
+            self.lora_scales[base] = scale
 
     def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`)."""
         return padded_logprobs(ParallelK3Forward.for_model(self), input_ids, lens, temperature)
+
+
+def _is_lora(name: str) -> bool:
+    return any(f".{part}." in name for part in LORA_PARTS)

@@ -118,6 +118,24 @@ def split_roles(cfg: TextConfig) -> dict[str, Split]:
     return {name: split_of(name) for name in text_specs(cfg)}
 
 
+def lora_splits(base: Split) -> tuple[Split, Split]:
+    """Placement of (A, B) of a LoRA on a base weight placed as `base` (see trainer/README.md, LoRA):
+
+    - COLUMN: A whole (used inside the TP region: gradient summed over TP), B split by rows like the base,
+      so each rank adds the LoRA term of its own output columns;
+    - COLUMN_GATHERED, REGION_REPLICATED: both whole, used inside a TP region (gradients summed over TP);
+    - ROW, REPLICATED: both whole; every rank computes the whole term (the ROW forward gathers its input), so
+      every rank holds the whole gradient.
+    VOCAB (embedding, lm_head) and EXPERT weights take no LoRA."""
+    if base is Split.COLUMN:
+        return Split.REGION_REPLICATED, Split.COLUMN
+    if base in (Split.COLUMN_GATHERED, Split.REGION_REPLICATED):
+        return Split.REGION_REPLICATED, Split.REGION_REPLICATED
+    if base in (Split.ROW, Split.REPLICATED):
+        return Split.REPLICATED, Split.REPLICATED
+    raise ValueError(f"a {base.value} weight takes no LoRA")
+
+
 def check_divisible(cfg: TextConfig, tp: int, ep: int) -> None:
     """Raise ValueError naming the config field that `tp` or `ep` does not divide."""
     need = {

@@ -1,7 +1,8 @@
 """Building and stepping the trainer: K3 model on Megatron, Megatron's DDP, Megatron's optimizer (fp32, CPU).
 
 `build_trainer` loads an official checkpoint into a fresh `K3Model` at the current TP/EP sizes and wraps it;
-`train_step` is one forward/backward/step on a caller-supplied loss of the per-token log-probs.
+`train_step` is one forward/backward/step on a caller-supplied loss of the per-token log-probs. With an
+`adapter` (LoRA), the base is frozen: Megatron's DDP and optimizer see only the adapter's parameters.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
+from lora.adapter import Adapter
 from parity.config import ModelConfig
-from trainer.checkpoint_io import load_official
+from trainer.checkpoint_io import load_adapter, load_official
 from trainer.config import k3_transformer_config
 from trainer.modules import K3Model
 from trainer.parallel import ParallelContext
@@ -32,18 +34,23 @@ class Trainer:
 
 
 def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: ParallelContext,
-                kernels: str = "invariant", params_dtype: torch.dtype = torch.float32) -> K3Model:
-    """A `K3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names)."""
+                kernels: str = "invariant", params_dtype: torch.dtype = torch.float32,
+                adapter: Adapter | None = None) -> K3Model:
+    """A `K3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names), and of
+    `adapter` when given (then every base parameter is frozen)."""
     model = K3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
     load_official(model, weights)
+    if adapter is not None:
+        load_adapter(model, adapter)
     return model
 
 
 def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_grad: float = 1.0,
-                  weight_decay: float = 0.0, kernels: str = "invariant") -> Trainer:
-    """Load `checkpoint`, wrap the model in Megatron's DDP (fp32 grads) and build Megatron's Adam."""
+                  weight_decay: float = 0.0, kernels: str = "invariant", adapter: Adapter | None = None) -> Trainer:
+    """Load `checkpoint` (and `adapter`: LoRA training, base frozen), wrap the model in Megatron's DDP (fp32
+    grads) and build Megatron's Adam over the trainable parameters."""
     model_cfg, weights = load_checkpoint(checkpoint)
-    return wrap(build_model(model_cfg, weights, par, kernels), lr, clip_grad, weight_decay)
+    return wrap(build_model(model_cfg, weights, par, kernels, adapter=adapter), lr, clip_grad, weight_decay)
 
 
 def wrap(module: K3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Trainer:

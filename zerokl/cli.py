@@ -11,12 +11,14 @@ import sys
 from collections.abc import Callable, Sequence
 
 from parity.config import ConfigError
+from lora import cli as lora_cli
+from lora.spec import AdapterError
 from parity.checker import DumpError
 from zerokl import parity_cmd, plan
 from zerokl.ppo import cli as ppo_cli
 from zerokl.checkpoint import CheckpointError, init_checkpoint
 
-USER_ERRORS = (ConfigError, CheckpointError, DumpError, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError)
 
 
 def _progress(msg: str) -> None:
@@ -45,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     parity_cmd.add_parser(sub)
     ppo_cli.add_parser(sub)
+    lora_cli.add_parser(sub)
     return parser
 
 
