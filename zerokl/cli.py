@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from parity.config import ConfigError
+from rollout import serve
 from lora import cli as lora_cli
 from lora.spec import AdapterError
 from parity.checker import DumpError
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parity_cmd.add_parser(sub)
     ppo_cli.add_parser(sub)
     lora_cli.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,175 @@
+"""vLLM attention backends for zerokl's K3 layers: per-step metadata only; the compute is `parity.model`.
+
+Two backends, one per vLLM cache kind:
+
+- `latent_backend(L)`: MLA latents in vLLM's paged KV cache, declared as a `FullAttentionSpec` with one
+  head of size L and no V half (one latent per token). It accepts any block size (`MultipleOf(1)`), so
+  the hybrid block alignment vLLM derives from the state page size is always accepted (CPU_MLA takes
+  16 only, which is why vLLM's own MLA layer cannot run this hybrid on CPU). `customize_spec` turns the
+  generic attention spec vLLM uses for that alignment into the latent spec, so the alignment computes
+  with the page the layers really allocate, whatever the config's `head_dim` / `num_key_value_heads` say.
+- `KDAStateBackend`: KDA conv + recurrent state in vLLM's hybrid state cache (`MambaSpec`), one state
+  slot per request: the block holding the request's last token in `align` (prefix caching) mode, the
+  request's only block otherwise (`mamba_get_block_table_tensor`).
+
+Invariant: metadata holds only per-request indices and lengths; nothing in it depends on batch shape
+beyond which rows exist, so a request's cache reads and writes are the same in any batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImplBase,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
+
+CACHE_DTYPE = torch.float32  # latents and states are stored exactly as the fp32 forward produced them
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each request's tokens sit in this step's flat token list (CPU tensors, one row per request)."""
+
+    query_start: torch.Tensor  # [R + 1] int64
+    seq_lens: torch.Tensor  # [R] int64: tokens of the request after this step
+    num_tokens: int  # real (unpadded) tokens in the step
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start[1:] - self.query_start[:-1]
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        """Tokens already in the caches before this step."""
+        return self.seq_lens - self.query_lens
+
+    @classmethod
+    def from_common(cls, common: CommonAttentionMetadata) -> StepLayout:
+        r = common.num_reqs
+        return cls(common.query_start_loc_cpu[: r + 1].long(), common.seq_lens[:r].cpu().long(),
+                   common.num_actual_tokens)
+
+
+@dataclass(frozen=True)
+class LatentMetadata:
+    """Per-step metadata of the latent (MLA) cache group."""
+
+    layout: StepLayout
+    block_table: torch.Tensor  # [R, max_blocks] int
+    slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot of each token (block * block_size + offset)
+
+
+@dataclass(frozen=True)
+class KDAStateMetadata:
+    """Per-step metadata of the KDA state group."""
+
+    layout: StepLayout
+    state_index: torch.Tensor  # [R] int64: the state slot each request reads and writes this step
+
+
+class _StateOnlyImpl(AttentionImplBase):
+    """The attention 'impl' of a cache-only backend: the compute is the layer's own; nothing to run here."""
+
+    supports_pcp = False
+    supports_dcp = False
+
+
+class LatentMetadataBuilder(AttentionMetadataBuilder[LatentMetadata]):
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> LatentMetadata:
+        c = common_attn_metadata
+        return LatentMetadata(StepLayout.from_common(c), c.block_table_tensor[: c.num_reqs],
+                              c.slot_mapping[: c.num_actual_tokens].long())
+
+
+class _LatentBackendBase(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float32"]
+    latent_size: ClassVar[int]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: KVCacheSpec | None = None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImplBase]:
+        return _StateOnlyImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[LatentMetadataBuilder]:
+        return LatentMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """One latent of `latent_size` fp32 values per token, no V half."""
+        return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1, head_size=cls.latent_size,
+                                 head_size_v=0, dtype=CACHE_DTYPE, page_size_padded=spec.page_size_padded)
+
+
+@cache
+def latent_backend(latent_size: int) -> type[AttentionBackend]:
+    """The latent-cache backend for latents of `latent_size` values (one class per size, like vLLM's
+    dynamically built local-attention backends; cached so every layer shares it)."""
+    name = f"ZeroKLLatentBackend{latent_size}"
+    return type(name, (_LatentBackendBase,), {
+        "latent_size": latent_size,
+        "__qualname__": name,
+        "get_name": staticmethod(lambda: f"ZEROKL_LATENT_{latent_size}"),
+    })
+
+
+class KDAStateMetadataBuilder(AttentionMetadataBuilder[KDAStateMetadata]):
+    def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        assert isinstance(kv_cache_spec, MambaSpec)
+        self.mode = vllm_config.cache_config.mamba_cache_mode
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KDAStateMetadata:
+        c = common_attn_metadata
+        r = c.num_reqs
+        table = mamba_get_block_table_tensor(c.block_table_tensor[:r], c.seq_lens[:r], self.kv_cache_spec, self.mode)
+        return KDAStateMetadata(StepLayout.from_common(c), table[:, 0].long())
+
+
+class KDAStateBackend(AttentionBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+
+    @staticmethod
+    def get_name() -> str:
+        return "ZEROKL_KDA_STATE"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImplBase]:
+        return _StateOnlyImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KDAStateMetadataBuilder]:
+        return KDAStateMetadataBuilder
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True
+
+
+def latent_spec(block_size: int, latent_size: int) -> AttentionSpec:
+    """The spec a latent layer declares: what `latent_backend(L).customize_spec` makes of any attention spec."""
+    base = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=latent_size, dtype=CACHE_DTYPE)
+    return latent_backend(latent_size).customize_spec(base)

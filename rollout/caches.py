@@ -1,0 +1,182 @@
+"""K3's per-layer caches inside vLLM's cache memory, seen by `parity.model` through its cache interface.
+
+`LatentCacheLayer` (MLA) and `KDAStateLayer` (KDA) are vLLM attention layers that own no weights: they
+declare a cache spec, receive their cache view from vLLM and hand `parity.model.K3Forward.hidden` a
+per-step view of it:
+
+- `PagedLatentCache` has `parity.model.MLACache`'s interface: `append` writes each new latent at its
+  token's slot (`slot_mapping`), `latent` gathers the request's blocks through the block table
+  (`parity.kernels.attention.gather_paged`), `length` counts valid positions. Stale block contents past
+  `length` are masked and zeroed by the attention kernel.
+- `KDAStateLayer.read` returns a `parity.model.KDACache` copied out of the request's state slot (zeros
+  for a request with nothing computed yet, whatever the slot holds); `write` stores the updated state
+  back. The slot is chosen by vLLM (`KDAStateMetadata.state_index`), so align-mode prefix caching and
+  preemption work on these states like on any Mamba state.
+
+Rows of a step are grouped (`StepGroup`): decodes together, prefill chunks together, each right-padded
+to the group's longest query; the parity kernels make a row's bits independent of its group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from parity.config import TextConfig
+from parity.kernels.attention import gather_paged
+from parity.model import KDACache
+from rollout.backends import (
+    CACHE_DTYPE,
+    KDAStateBackend,
+    KDAStateMetadata,
+    LatentMetadata,
+    StepLayout,
+    latent_backend,
+    latent_spec,
+)
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheSpec
+
+
+@dataclass(frozen=True)
+class StepGroup:
+    """Some requests of a step as a right-padded batch: row b is request `rows[b]`."""
+
+    rows: torch.Tensor  # [B] int64 request indices within the step
+    lens: torch.Tensor  # [B] int64 query tokens of each row
+    token_index: torch.Tensor  # [B, T] int64 flat token index, -1 on padding
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.token_index >= 0
+
+    @staticmethod
+    def split(layout: StepLayout) -> list[StepGroup]:
+        """Decode rows (one token) and prefill rows (more), each group padded to its own longest row."""
+        qlens = layout.query_lens
+        groups = []
+        for rows in ((qlens == 1).nonzero().view(-1), (qlens > 1).nonzero().view(-1)):
+            if rows.numel() == 0:
+                continue
+            lens = qlens[rows]
+            t = int(lens.max())
+            offs = torch.arange(t).view(1, t)
+            index = layout.query_start[rows].view(-1, 1) + offs
+            groups.append(StepGroup(rows, lens, torch.where(offs < lens.view(-1, 1), index, -1)))
+        return groups
+
+    def gather(self, flat: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
+        """flat: [N, ...] per-token values -> [B, T, ...], `fill` on padding."""
+        out = flat[self.token_index.clamp(min=0)]
+        mask = self.valid.view(*self.valid.shape, *([1] * (flat.dim() - 1)))
+        return torch.where(mask, out, torch.full((), fill, dtype=flat.dtype))
+
+
+def _register(layer: nn.Module, prefix: str, vllm_config: VllmConfig) -> None:
+    ctx = vllm_config.compilation_config.static_forward_context
+    if prefix in ctx:
+        raise ValueError(f"Duplicate layer name: {prefix}")
+    ctx[prefix] = layer
+
+
+class PagedLatentCache:
+    """`parity.model.MLACache` over vLLM's paged latents for one `StepGroup`."""
+
+    def __init__(self, pages: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, length: torch.Tensor):
+        self.pages = pages  # [num_blocks, block_size, L]
+        self.block_table = block_table  # [B, max_blocks]
+        self.slots = slots  # [B, T] flat slot of each new token, -1 on padding
+        self.length = length  # [B] valid positions
+
+    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
+        """Write `new[b, :lens[b]]` (the slots already say where) and extend each row's length."""
+        keep = self.slots >= 0
+        slots = self.slots[keep]
+        block_size = self.pages.shape[1]
+        self.pages[slots // block_size, slots % block_size] = new[keep]
+        self.length = self.length + lens
+
+    @property
+    def latent(self) -> torch.Tensor:
+        """[B, S, L]: the row's blocks in order; S covers the longest row, rounded up to whole blocks."""
+        block_size = self.pages.shape[1]
+        n_blocks = -(-int(self.length.max()) // block_size)
+        return gather_paged(self.pages, self.block_table[:, :n_blocks].long(), self.length)
+
+
+class LatentCacheLayer(nn.Module, AttentionLayerBase):
+    """One MLA layer's latents in vLLM's paged KV cache (`[num_blocks, block_size, L]` once bound)."""
+
+    def __init__(self, latent_size: int, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        self.latent_size = latent_size
+        self.prefix = prefix
+        self.kv_cache = torch.tensor([])
+        _register(self, prefix, vllm_config)
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return latent_backend(self.latent_size)
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return latent_spec(vllm_config.cache_config.block_size, self.latent_size)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """vLLM's view is `[num_blocks, heads=1, block_size, L]`; keep `[num_blocks, block_size, L]`."""
+        self.kv_cache = kv_cache.squeeze(1)
+
+    def view(self, meta: LatentMetadata, group: StepGroup) -> PagedLatentCache:
+        slots = group.gather(meta.slot_mapping, fill=-1)
+        return PagedLatentCache(self.kv_cache, meta.block_table[group.rows], slots,
+                                meta.layout.context_lens[group.rows])
+
+
+class KDAStateLayer(nn.Module, MambaBase):
+    """One KDA layer's conv window `[W-1, 3P]` (q | k | v inputs) and recurrent state `[H, K, V]`, fp32,
+    in vLLM's hybrid state cache."""
+
+    def __init__(self, cfg: TextConfig, prefix: str, vllm_config: VllmConfig):
+        super().__init__()
+        self.shapes = kda_state_shapes(cfg)
+        self.prefix = prefix
+        self.kv_cache = (torch.tensor([]), torch.tensor([]))
+        _register(self, prefix, vllm_config)
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return self.shapes
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return (CACHE_DTYPE, CACHE_DTYPE)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        """Only a key for the model's state copy functions; `get_attn_backend` names the real backend."""
+        return MambaAttentionBackendEnum.CUSTOM
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return KDAStateBackend
+
+    def read(self, meta: KDAStateMetadata, group: StepGroup) -> KDACache:
+        """The state before this step: a copy of the slot, or zeros for a request starting from token 0."""
+        idx = meta.state_index[group.rows]
+        fresh = (meta.layout.context_lens[group.rows] == 0).view(-1, 1, 1)
+        conv, state = self.kv_cache
+        zero = torch.zeros((), dtype=torch.float32)
+        return KDACache(torch.where(fresh, zero, conv[idx]), torch.where(fresh.view(-1, 1, 1, 1), zero, state[idx]))
+
+    def write(self, meta: KDAStateMetadata, group: StepGroup, cache: KDACache) -> None:
+        idx = meta.state_index[group.rows]
+        conv, state = self.kv_cache
+        conv[idx] = cache.conv
+        state[idx] = cache.state
+
+
+def kda_state_shapes(cfg: TextConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv window [W-1, 3P], recurrent state [H, K, V]) of one KDA layer."""
+    d = cfg.kda_head_dim
+    return (cfg.conv_kernel - 1, 3 * cfg.kda_proj_size), (cfg.kda_num_heads, d, d)

@@ -1,0 +1,166 @@
+"""`RolloutEngine`: offline rollouts of an official K3 checkpoint through the real vLLM engine (`vllm.LLM`)
+with zerokl's model class (`rollout.vllm_model`), in parity mode by default.
+
+What a caller gets, per sample: the prompt ids, the completion ids, the log-prob of every completion
+token under the distribution it was sampled from (fp32, `log_softmax(logits / T)`, vLLM's
+`processed_logprobs`), and the policy version (the weight version vLLM reports for the sample's tokens).
+With the `invariant` kernels these log-probs are bit-identical to `parity.model.score_sequences` on the
+same weights, whatever vLLM does around them: batching, chunked prefill, prefix-cache hits, preemption.
+
+Determinism: sample j of a prompt with seed s is drawn with vLLM's per-request generator seeded by
+`sample_seed(s, j)`, so it depends only on (weights, prompt, s, j), not on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout.plugin import WEIGHT_BACKEND, hf_overrides
+from zerokl.sync.bundle import SyncError, WeightBundle
+from zerokl.sync.transports import Disk
+
+# Engine arguments the engine sets itself: parity depends on them.
+_FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "enforce_eager", "weight_transfer_config")
+_GREEDY_EPS = 1e-5  # vLLM's sampler treats temperature below this as greedy (`_SAMPLING_EPS`)
+
+
+class RolloutError(ValueError):
+    """A request the rollout engine refuses; the message says why and what to do instead."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: torch.Tensor  # [len(completion_ids)] fp32
+    policy_version: int
+    cached_tokens: int  # prompt tokens served from vLLM's prefix cache
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The vLLM request seed of sample `index` of a prompt whose seed is `seed` (63-bit, well mixed)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class RolloutEngine:
+    """Wraps `vllm.LLM` on `checkpoint` (an official K3 checkpoint directory).
+
+    kernels: "invariant" (parity mode) or "fast" (plain torch ops: the negative control).
+    engine_args: further `vllm.LLM` arguments (max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, prefix_match_unit (prefix hits inside a cache block), num_gpu_blocks_override,
+    max_model_len, ...).
+    """
+
+    def __init__(self, checkpoint: str | Path, kernels: str = "invariant", **engine_args: Any):
+        fixed = sorted(set(engine_args) & set(_FIXED_ARGS))
+        if fixed:
+            raise RolloutError(f"RolloutEngine sets {', '.join(fixed)} itself (parity depends on them)")
+        from vllm import LLM
+
+        self.kernels = kernels
+        self.llm = LLM(model=str(checkpoint), dtype="float32", hf_overrides=hf_overrides(kernels),
+                       logprobs_mode="processed_logprobs", enforce_eager=True,
+                       weight_transfer_config={"backend": WEIGHT_BACKEND}, **engine_args)
+        self.llm.llm_engine.set_weight_version("0")
+        self._updates = Path(tempfile.mkdtemp(prefix="zerokl-weights-"))
+
+    @property
+    def policy_version(self) -> int:
+        return int(self.llm.llm_engine.get_weight_version())
+
+    def generate(self, prompts: Sequence[Sequence[int] | str], n: int = 1, temperature: float = 1.0,
+                 max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
+                 top_k: int | None = None, ignore_eos: bool = False) -> list[Sample]:
+        """`n` samples per prompt, prompt-major (sample j of prompt i is entry i * n + j).
+
+        prompts: token id lists or text (tokenized by the checkpoint's tokenizer).
+        seed: one seed for the call (prompt i gets `sample_seed(seed, i)`) or one seed per prompt.
+        top_p / top_k: refused in parity mode (the trainer scores the full softmax).
+        """
+        from vllm import SamplingParams
+
+        seeds = self._prompt_seeds(prompts, seed)
+        self._check_sampling(n, temperature, max_tokens, top_p, top_k)
+        truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k)) if v is not None}
+        requests, params = [], []
+        for prompt, s in zip(prompts, seeds):
+            request = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+            for j in range(n):
+                requests.append(request)
+                params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                                             seed=sample_seed(s, j), ignore_eos=ignore_eos, **truncation))
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [self._sample(out) for out in outputs]
+
+    def update_weights(self, bundle: WeightBundle) -> None:
+        """Install a full fp32 weight bundle (`zerokl.sync`) in the workers, all-or-nothing, then drop the
+        prefix cache (its latents and states came from the old weights). Raises `SyncError` on a
+        rejected update; the engine then keeps its previous weights and version."""
+        staging = Disk(Path(tempfile.mkdtemp(dir=self._updates)))
+        try:
+            staging.send(bundle)
+            self.llm.collective_rpc("start_weight_update")
+            try:
+                self.llm.collective_rpc("update_weights",
+                                        kwargs={"update_info": {"path": str(staging.path(bundle.version))}})
+            except Exception as e:  # the worker's SyncError arrives wrapped by vLLM's RPC
+                raise SyncError(f"weight update {bundle.version} rejected: {e}") from e
+            self.llm.collective_rpc("finish_weight_update")
+        finally:
+            shutil.rmtree(staging.root, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.set_weight_version(str(bundle.version))
+
+    def close(self) -> None:
+        """Stop vLLM's engine processes and remove staged weight updates."""
+        self.llm.llm_engine.engine_core.shutdown()
+        shutil.rmtree(self._updates, ignore_errors=True)
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _check_sampling(self, n: int, temperature: float, max_tokens: int, top_p: float | None,
+                        top_k: int | None) -> None:
+        if n < 1 or max_tokens < 1:
+            raise RolloutError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
+        if temperature < _GREEDY_EPS:
+            raise RolloutError(
+                f"temperature must be >= {_GREEDY_EPS}: vLLM samples greedily below it and then reports "
+                f"log-probs at temperature 1, which is not the distribution used (got {temperature})")
+        if self.kernels == "invariant" and (top_p is not None or top_k is not None):
+            raise RolloutError(
+                "top_p/top_k are refused in parity mode: truncation changes the sampling distribution and the "
+                "trainer scores the full softmax; sample with temperature only (or use kernels='fast')")
+
+    @staticmethod
+    def _prompt_seeds(prompts: Sequence[Sequence[int] | str], seed: int | Sequence[int]) -> list[int]:
+        if not prompts:
+            raise RolloutError("no prompts given")
+        if isinstance(seed, int):
+            return [sample_seed(seed, i) for i in range(len(prompts))]
+        if len(seed) != len(prompts):
+            raise RolloutError(f"got {len(seed)} seeds for {len(prompts)} prompts; give one per prompt or one int")
+        return list(seed)
+
+    @staticmethod
+    def _sample(out: Any) -> Sample:
+        c = out.outputs[0]
+        versions = {span.version for span in c.weight_versions or ()}
+        if len(versions) != 1:
+            raise RolloutError(f"request {out.request_id}: tokens from weight versions {sorted(versions)}")
+        tokens = list(c.token_ids)
+        lps = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)], dtype=torch.float32)
+        return Sample(list(out.prompt_token_ids), tokens, lps, int(versions.pop()), out.num_cached_tokens or 0)

@@ -1,0 +1,42 @@
+"""The `vllm.general_plugins` entry point: registers zerokl's K3 model class and the `zerokl` weight-transfer
+backend (`rollout.weight_transfer`) in every vLLM process (main, model inspection subprocess, EngineCore,
+workers). Both are registered by module path, so nothing heavy is imported until vLLM needs it.
+
+Select the model for an official K3 checkpoint with `hf_overrides(kernels)` (no checkpoint edit):
+- `architectures` -> `ZeroKLK3ForCausalLM`;
+- `text_config.model_type` -> `zerokl_k3_text`: vLLM derives `use_mla` from the text model type
+  (`kimi_linear` is on its MLA list), and MLA mode on CPU forces block 16 / no prefix caching; this
+  model's latent cache is its own attention backend, not vLLM's MLA;
+- `zerokl_kernels` -> the parity kernel backend ("invariant", or "fast" for negative controls).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ARCH = "ZeroKLK3ForCausalLM"
+TEXT_MODEL_TYPE = "zerokl_k3_text"
+KERNELS_KEY = "zerokl_kernels"
+WEIGHT_BACKEND = "zerokl"
+
+
+def hf_overrides(kernels: str = "invariant") -> dict[str, Any]:
+    """The `hf_overrides` that serve an official K3 checkpoint with zerokl's model on `kernels`."""
+    from parity.kernels import get_kernels
+
+    get_kernels(kernels)  # fail here, in the caller's process, on an unknown backend name
+    return {"architectures": [ARCH], "text_config": {"model_type": TEXT_MODEL_TYPE}, KERNELS_KEY: kernels}
+
+
+def register() -> None:
+    """Entry point; idempotent (vLLM may load plugins more than once per process)."""
+    from vllm import ModelRegistry
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(ARCH, "rollout.vllm_model:ZeroKLK3ForCausalLM")
+    try:
+        WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "rollout.weight_transfer",
+                                                    "ZeroKLWeightTransferEngine")
+    except ValueError:  # already registered in this process
+        pass

@@ -1,0 +1,167 @@
+"""zerokl's K3 as a vLLM model class: vLLM schedules, caches and samples; `parity.model` computes.
+
+`ZeroKLK3ForCausalLM` serves the official `KimiK3ForConditionalGeneration` checkpoints (text tower).
+It holds the official tensors as plain fp32 parameters under their official names (no vLLM linear
+layers, so nothing is prepacked or emptied on CPU), and runs every op of the forward through
+`parity.model.K3Forward` on the chosen parity kernel backend, so a token's hidden state has the bits
+the trainer's `parity.model.score_sequences` gives it. MLA latents live in vLLM's paged KV cache and KDA
+states in vLLM's hybrid state cache (`rollout.caches`), so vLLM's memory accounting, preemption and
+prefix caching apply to them.
+
+The kernel backend is a config key (`zerokl_kernels` in `hf_overrides`, see `rollout.plugin`), so it
+reaches every vLLM process the same way the checkpoint does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parity.config import ModelConfig, load_model_config
+from parity.kernels import get_kernels
+from parity.model import K3Forward, K3Weights, KDACache
+from parity.weights import text_specs
+from rollout import vllm_compat
+from rollout.backends import CACHE_DTYPE
+from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_shapes
+from rollout.plugin import KERNELS_KEY
+from vllm.config import VllmConfig
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec, MambaStateCopyFunc
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
+from zerokl.checkpoint import all_specs
+
+
+class ModelSetupError(ValueError):
+    """vLLM was started with settings this model cannot keep parity under; the message says which."""
+
+
+def checkpoint_config(vllm_config: VllmConfig) -> ModelConfig:
+    """The official config of the served checkpoint, read from its directory (not vLLM's overridden copy)."""
+    path = Path(vllm_config.model_config.model)
+    if not (path / "config.json").is_file():
+        raise ModelSetupError(f"zerokl serves local checkpoint directories; {path} has no config.json")
+    cfg = load_model_config(path)
+    if cfg.model_type != "kimi_k3":
+        raise ModelSetupError(f"{path}: zerokl's vLLM model serves official Kimi K3 checkpoints "
+                              f"(model_type kimi_k3), got {cfg.model_type}")
+    return cfg
+
+
+def _copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: int,
+                      num_accepted_tokens: int) -> MambaCopySpec:
+    """Prefix-caching copy of one state slot (no speculative decoding: the slot is the whole state)."""
+    src = state[block_ids[cur_block_idx]]
+    return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
+
+
+def _param_tree(specs: dict[str, tuple[int, ...]]) -> nn.Module:
+    """Modules nested along the dotted official names, each leaf an fp32 parameter, so that
+    `named_parameters()` yields exactly the official names."""
+    root = nn.Module()
+    for name, shape in specs.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False))
+    return root
+
+
+class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching):
+    """K3 text model on the parity kernels, with vLLM-managed MLA latent and KDA state caches."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        if vllm_config.model_config.dtype != torch.float32:
+            raise ModelSetupError(
+                f"zerokl's K3 computes and caches in fp32; start vLLM with dtype='float32' "
+                f"(got {vllm_config.model_config.dtype})")
+        if vllm_config.num_speculative_tokens:
+            raise ModelSetupError("speculative decoding is not supported by zerokl's K3 rollout model")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+            raise ModelSetupError("zerokl's K3 rollout model runs unsharded: use tensor/pipeline parallel size 1")
+        vllm_compat.apply()
+        model_cfg = checkpoint_config(vllm_config)
+        cfg = model_cfg.text
+        self.cfg = cfg
+        self.kernels = get_kernels(getattr(vllm_config.model_config.hf_config, KERNELS_KEY, "invariant"))
+        self.skipped_names = frozenset(all_specs(model_cfg)) - frozenset(text_specs(cfg))
+        root = _param_tree({name: spec.shape for name, spec in text_specs(cfg).items()})
+        for name, child in root.named_children():
+            self.add_module(name, child)
+        self.fwd = K3Forward(K3Weights(cfg, dict(self.named_parameters())), self.kernels)
+        self.cache_layers = nn.ModuleList(
+            KDAStateLayer(cfg, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
+            else LatentCacheLayer(cfg.mla_latent_size, f"{prefix}cache_layers.{i}", vllm_config)
+            for i in range(cfg.num_hidden_layers)
+        )
+
+    # --- vLLM model interface -------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.fwd.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: object = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+        """Flat step tokens [N] -> hidden states before the final norm [N, D] fp32 (zeros on padding)."""
+        if inputs_embeds is not None:
+            raise ModelSetupError("zerokl's K3 takes token ids; prompt embeddings are not supported")
+        out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size)
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # vLLM's dummy/profile runs: no caches bound, nothing to compute
+            return out
+        layers = list(self.cache_layers)
+        layout = metadata[layers[0].prefix].layout
+        for group in StepGroup.split(layout):
+            caches = [layer.read(metadata[layer.prefix], group) if isinstance(layer, KDAStateLayer)
+                      else layer.view(metadata[layer.prefix], group) for layer in layers]
+            hidden = self.fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches)
+            for layer, cache in zip(layers, caches):
+                if isinstance(cache, KDACache):
+                    layer.write(metadata[layer.prefix], group, cache)
+            out[group.token_index[group.valid]] = hidden[group.valid]
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head on the parity kernels: [M, D] -> [M, V] fp32."""
+        return self.fwd.logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy each official text tensor into its fp32 parameter (the same upcast as
+        `K3Weights.from_official`); skip the vision tower; fail on any other name and on any text tensor
+        the checkpoint lacks. Returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name in self.skipped_names:
+                continue
+            if name not in params:
+                raise ModelSetupError(f"checkpoint tensor {name} is not a K3 weight of this config")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ModelSetupError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                      f"config says {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor.to(torch.float32))
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ModelSetupError(f"checkpoint lacks {len(missing)} K3 weights, first: {missing[0]}")
+        return loaded
+
+    # --- hybrid state cache (vLLM's MambaSpec plumbing) ----------------------------------------
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        return kda_state_shapes(checkpoint_config(vllm_config).text)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
+        return (CACHE_DTYPE, CACHE_DTYPE)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple[MambaStateCopyFunc, MambaStateCopyFunc]:
+        return (_copy_whole_state, _copy_whole_state)

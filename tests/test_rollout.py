@@ -1,0 +1,288 @@
+"""K3 in the real vLLM engine (CPU), parity mode: bits, not tolerances.
+
+One k3-tiny checkpoint per module; one reference engine (prefix caching on with a 16-token match unit,
+max_num_seqs 16) generates a workload of 28 mixed-length prompts (4 end just before a 128-token cache
+block boundary, 4 share a 300-token prefix, more than two blocks), 2 samples each. Every generated
+log-prob must equal the trainer's one-pass `score_sequences` on the same weights, and the same
+(prompt, seed) must give the same tokens and log-probs: at other batch positions, alone, from a warm
+prefix cache (hits on block boundaries and inside blocks), with one sequence at a time and 13-token
+prefill chunks, under forced preemption, and over the OpenAI server. The `fast` kernels break this
+(negative control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from parity.kernels import FAST, INVARIANT, Kernels
+from parity.model import K3Forward, K3Weights, score_sequences
+from parity.weights import text_specs
+from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
+from rollout import serve
+from zerokl.checkpoint import init_checkpoint, load_checkpoint
+
+TEMPERATURE = 0.9
+MAX_TOKENS = 8
+N = 2
+# prefix_match_unit 16 < the 128-token cache block: prefix hits can also land inside a block.
+ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 16, "enable_prefix_caching": True, "prefix_match_unit": 16}
+BLOCK = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env() -> Iterator[None]:
+    root = Path(__file__).resolve().parents[1] / ".cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_checkpoint("configs/k3-tiny.yaml", tmp_path_factory.mktemp("rollout") / "k3-tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def weights(checkpoint: Path) -> K3Weights:
+    cfg, tensors = load_checkpoint(checkpoint)
+    return K3Weights.from_official(cfg.text, tensors)
+
+
+def _random_prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(4, 1024, (m,), generator=g).tolist() for m in lengths]
+
+
+PROMPTS = (_random_prompts(20, 1, 5, 60) + _random_prompts(4, 4, 120, 127)
+           + [_random_prompts(1, 2, 300, 301)[0] + p for p in _random_prompts(4, 3, 5, 40)])
+SEEDS = list(range(100, 100 + len(PROMPTS)))
+BOUNDARY = range(20, 24)  # 120-126 tokens: decoding crosses the first 128-token cache block
+LONG = range(24, 28)  # the prompts sharing a 300-token prefix
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Iterator[RolloutEngine]:
+    with RolloutEngine(checkpoint, **ENGINE_ARGS) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def reference(engine: RolloutEngine) -> list[list[Sample]]:
+    """reference[i][j]: sample j of PROMPTS[i] from the reference engine, whole workload in one batch."""
+    return _by_prompt(engine.generate(PROMPTS, n=N, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=SEEDS))
+
+
+def _by_prompt(samples: list[Sample]) -> list[list[Sample]]:
+    return [samples[i : i + N] for i in range(0, len(samples), N)]
+
+
+def _assert_same(got: Sample, want: Sample, what: str) -> None:
+    assert got.prompt_ids == want.prompt_ids, what
+    assert got.completion_ids == want.completion_ids, f"{what}: tokens {got.completion_ids} != {want.completion_ids}"
+    if not torch.equal(got.logprobs, want.logprobs):
+        i = int((got.logprobs != want.logprobs).nonzero()[0, 0])
+        raise AssertionError(f"{what}: first mismatching token {i}, "
+                             f"max |d| = {(got.logprobs - want.logprobs).abs().max().item():.3e}")
+
+
+def _generate_subset(eng: RolloutEngine, idx: list[int]) -> list[list[Sample]]:
+    return _by_prompt(eng.generate([PROMPTS[i] for i in idx], n=N, temperature=TEMPERATURE, max_tokens=MAX_TOKENS,
+                                   seed=[SEEDS[i] for i in idx]))
+
+
+def _trainer_mismatches(samples: list[Sample], weights: K3Weights, kernels: Kernels) -> tuple[int, float]:
+    """(samples whose log-probs differ from one-pass trainer scoring, max |difference|)."""
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    scores = score_sequences(K3Forward(weights, kernels), seqs, TEMPERATURE)
+    trainer = [ref[len(s.prompt_ids) - 1 :] for ref, s in zip(scores, samples)]
+    worst = max((t - s.logprobs).abs().max().item() for t, s in zip(trainer, samples))
+    return sum(not torch.equal(t, s.logprobs) for t, s in zip(trainer, samples)), worst
+
+
+def test_generated_logprobs_equal_trainer_scoring(reference: list[list[Sample]], weights: K3Weights) -> None:
+    samples = [s for group in reference for s in group]
+    assert all(len(s.completion_ids) > 0 and s.logprobs.dtype == torch.float32 for s in samples)
+    assert all(s.policy_version == 0 for s in samples)
+    bad, worst = _trainer_mismatches(samples, weights, INVARIANT)
+    assert bad == 0, f"{bad} of {len(samples)} samples differ from score_sequences, max |d| = {worst:.3e}"
+
+
+def test_same_bits_at_any_batch_position_and_from_warm_prefix_cache(engine: RolloutEngine,
+                                                                   reference: list[list[Sample]]) -> None:
+    """The reference run already resumed LONG prompts from the shared prefix at a block boundary (256);
+    now each LONG prompt is cached up to its last 16-token boundary, inside a block."""
+    assert any(reference[i][0].cached_tokens == 2 * BLOCK for i in LONG), "no block-boundary hit in the cold run"
+    perm = torch.randperm(len(PROMPTS), generator=torch.Generator().manual_seed(5)).tolist()
+    shuffled = _generate_subset(engine, perm)
+    for pos, i in enumerate(perm):
+        for j in range(N):
+            _assert_same(shuffled[pos][j], reference[i][j], f"prompt {i} at position {pos}, sample {j}")
+    warm = {i: shuffled[perm.index(i)][0].cached_tokens for i in LONG}
+    assert all(c >= 2 * BLOCK for c in warm.values()), f"LONG prompts missed the warm cache: {warm}"
+    assert any(c % BLOCK for c in warm.values()), f"no hit inside a cache block: {warm}"
+
+
+def test_same_bits_alone(engine: RolloutEngine, reference: list[list[Sample]]) -> None:
+    for i in (0, 7, LONG[0]):
+        alone = _generate_subset(engine, [i])[0]
+        for j in range(N):
+            _assert_same(alone[j], reference[i][j], f"prompt {i} alone, sample {j}")
+
+
+def test_one_sequence_at_a_time_with_odd_prefill_chunks(checkpoint: Path, reference: list[list[Sample]]) -> None:
+    """max_num_seqs 1 (reference: 16) and 13-token prefill chunks, prefix caching off (no state snapshots)."""
+    idx = [0, 3, LONG[1], LONG[2]]
+    with RolloutEngine(checkpoint, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=13,
+                       enable_prefix_caching=False) as eng:
+        got = _generate_subset(eng, idx)
+    for g, i in zip(got, idx):
+        for j in range(N):
+            _assert_same(g[j], reference[i][j], f"prompt {i}, sample {j}")
+
+
+def test_same_bits_under_forced_preemption(checkpoint: Path, reference: list[list[Sample]]) -> None:
+    """16 cache blocks (4 per 128 tokens of a request): requests crossing a block boundary in decode
+    preempt others, which are recomputed later."""
+    idx = [0, 1, *BOUNDARY, LONG[3]]
+    with RolloutEngine(checkpoint, max_model_len=512, max_num_seqs=16, enable_prefix_caching=True,
+                       num_gpu_blocks_override=16, disable_log_stats=False) as eng:
+        got = _generate_subset(eng, idx)
+        preemptions = sum(m.value for m in eng.llm.get_metrics() if m.name == "vllm:num_preemptions")
+    assert preemptions > 0, "the tiny KV cache did not force a preemption"
+    for g, i in zip(got, idx):
+        for j in range(N):
+            _assert_same(g[j], reference[i][j], f"prompt {i}, sample {j}")
+
+
+def test_fast_kernels_break_parity(checkpoint: Path, weights: K3Weights) -> None:
+    """Negative control: the same checks on plain torch ops fail (values still agree to round-off)."""
+    idx = [0, 1, 2, 3, LONG[0], LONG[1]]
+    with RolloutEngine(checkpoint, kernels="fast", **ENGINE_ARGS) as eng:
+        batched = _generate_subset(eng, idx)
+        alone = [_generate_subset(eng, [i])[0] for i in idx[:3]]
+    samples = [s for group in batched for s in group]
+    bad, worst = _trainer_mismatches(samples, weights, FAST)
+    assert bad > 0 and 0 < worst < 1e-3, f"fast rollout vs fast trainer: {bad} differ, max |d| {worst:.3e}"
+    differs = [not torch.equal(a[j].logprobs, b[j].logprobs) for a, b in zip(alone, batched) for j in range(N)]
+    assert any(differs), "fast kernels gave batch-invariant log-probs"
+
+
+def test_refused_requests(engine: RolloutEngine) -> None:
+    with pytest.raises(RolloutError, match="top_p/top_k are refused in parity mode"):
+        engine.generate([PROMPTS[0]], top_p=0.9)
+    with pytest.raises(RolloutError, match="top_p/top_k are refused in parity mode"):
+        engine.generate([PROMPTS[0]], top_k=5)
+    with pytest.raises(RolloutError, match="temperature must be"):
+        engine.generate([PROMPTS[0]], temperature=0.0)
+    with pytest.raises(RolloutError, match="one per prompt"):
+        engine.generate([PROMPTS[0], PROMPTS[1]], seed=[1])
+    with pytest.raises(RolloutError, match="sets dtype itself"):
+        RolloutEngine("unused", dtype="bfloat16")
+
+
+def test_text_prompts(engine: RolloutEngine, weights: K3Weights) -> None:
+    samples = engine.generate(["What is 12 + 30? Answer:"], n=2, temperature=TEMPERATURE, max_tokens=MAX_TOKENS)
+    assert samples[0].prompt_ids == samples[1].prompt_ids and len(samples[0].prompt_ids) > 3
+    bad, worst = _trainer_mismatches(samples, weights, INVARIANT)
+    assert bad == 0, f"max |d| = {worst:.3e}"
+
+
+def test_load_weights_takes_official_names_and_refuses_leftovers(checkpoint: Path) -> None:
+    """The model class outside an engine: official names in, fp32 parameters out, leftovers refused."""
+    from rollout.vllm_model import ModelSetupError, ZeroKLK3ForCausalLM
+
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.float32, model=str(checkpoint), hf_config=SimpleNamespace()),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        compilation_config=SimpleNamespace(static_forward_context={}), num_speculative_tokens=0)
+    model = ZeroKLK3ForCausalLM(vllm_config=vllm_config)
+    cfg, tensors = load_checkpoint(checkpoint)
+    assert model.load_weights(tensors.items()) == set(text_specs(cfg.text)) == {n for n, _ in model.named_parameters()}
+    assert all(torch.equal(p, tensors[n].float()) for n, p in model.named_parameters())
+    with pytest.raises(ModelSetupError, match="not a K3 weight"):
+        model.load_weights([*tensors.items(), ("language_model.extra.weight", torch.zeros(1))])
+    first = next(iter(text_specs(cfg.text)))
+    with pytest.raises(ModelSetupError, match=f"lacks 1 K3 weights, first: {first}"):
+        model.load_weights([(n, t) for n, t in tensors.items() if n != first])
+
+
+def test_serve_command_line(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--checkpoint", str(tmp_path), "--", "--max-model-len", "64"])
+    assert args.vllm_args == ["--", "--max-model-len", "64"]
+    assert args.func(args) == 2  # not a checkpoint directory: one error line, no server
+    argv = serve.serve_argv(tmp_path, kernels="fast", port=1234, vllm_args=["--max-model-len", "64"])
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and argv[-2:] == ["--max-model-len", "64"]
+    assert json.loads(argv[argv.index("--hf-overrides") + 1])["zerokl_kernels"] == "fast"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_openai_server_matches_offline_engine(checkpoint: Path, reference: list[list[Sample]],
+                                              tmp_path: Path) -> None:
+    port = _free_port()
+    argv = serve.serve_argv(checkpoint, port=port, vllm_args=["--max-model-len", "1024", "--max-num-seqs", "16"])
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not start in 240 s"
+                time.sleep(1)
+        jobs = [(i, j) for i in (0, 5, 9, LONG[0]) for j in range(N)]
+
+        def complete(job: tuple[int, int]) -> dict:
+            i, j = job
+            return _post(f"{base}/v1/completions", {
+                "model": str(checkpoint), "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
+                "logprobs": 0, "seed": sample_seed(SEEDS[i], j), "return_tokens_as_token_ids": True})
+
+        with ThreadPoolExecutor(len(jobs)) as pool:  # concurrent requests: the server batches them
+            replies = list(pool.map(complete, jobs))
+        for (i, j), reply in zip(jobs, replies):
+            lp = reply["choices"][0]["logprobs"]
+            tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+            got = Sample(PROMPTS[i], tokens, torch.tensor(lp["token_logprobs"], dtype=torch.float32), 0, 0)
+            _assert_same(got, reference[i][j], f"server, prompt {i}, sample {j}")
+    finally:
+        os.kill(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
