@@ -93,3 +93,20 @@ def test_torch_distributed_transport_gloo(tmp_path: Path) -> None:
     got = torch.load(out)
     assert got["version"] == 7
     assert got["sums"] == {n: checksum(t) for n, t in _weights(7).items()}
+
+
+def test_ppo_engine_transport_through_disk(tmp_path: Path) -> None:
+    """`sync: disk` in the PPO loop: the bundle is written, read back, verified and applied."""
+    from zerokl.ppo.loop import EngineTransport
+
+    class Engine:
+        def __init__(self) -> None:
+            self.store = TensorStore(_weights(0))
+
+        def update_weights(self, bundle: WeightBundle) -> None:
+            self.store.apply(bundle)
+
+    engine = Engine()
+    WeightSync(EngineTransport(engine, tmp_path / "sync"))(WeightBundle.make(1, _weights(5)))
+    assert engine.store.version == 1 and (tmp_path / "sync" / "v00000001" / "manifest.json").is_file()
+    assert torch.equal(engine.store.tensors["a.weight"], _weights(5)["a.weight"])

@@ -41,7 +41,7 @@ class PPOConfig:
         _choice("advantage", self.advantage, ("grpo", "gae"))
         _choice("kernels", self.kernels, ("invariant", "fast"))
         _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
-        _choice("sync", self.sync, ("in_process", "disk", "torch_distributed"))
+        _choice("sync", self.sync, ("in_process", "disk"))
         _choice("wandb", self.wandb, ("offline", "online", "disabled"))
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every"):
             if getattr(self, name) < 1:
