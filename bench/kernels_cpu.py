@@ -63,7 +63,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1 keeps timings stable when other jobs share the cores)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, tokens/op {args.tokens}")
     for name in ("k3-tiny", "k3-small"):
         cfg = load_model_config(f"configs/{name}.yaml")
