@@ -295,3 +295,17 @@ def score_sequences(fwd: K3Forward, seqs: list[list[int]], temperature: float = 
     logits = fwd.logits(hidden[:, :-1])
     lp = fwd.token_logprobs(logits, ids[:, 1:], temperature)
     return [lp[i, : len(s) - 1] for i, s in enumerate(seqs)]
+
+
+def decode_logprobs(fwd: K3Forward, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The rollout engine's schedule for one sequence: prefill `prompt`, then feed one completion token per
+    step through the caches. Returns [len(completion)] fp32: entry j is log p(completion[j] | prompt, completion[:j])."""
+    caches = new_cache(fwd.cfg, 1)
+    hidden = fwd.hidden(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1),
+                        torch.tensor([len(prompt)]), caches)[:, -1]
+    out = [fwd.token_logprobs(fwd.logits(hidden), torch.tensor(completion[:1]), temperature)]
+    for step, (token, target) in enumerate(zip(completion, completion[1:])):
+        pos = torch.tensor([[len(prompt) + step]])
+        hidden = fwd.hidden(torch.tensor([[token]]), pos, torch.tensor([1]), caches)[:, -1]
+        out.append(fwd.token_logprobs(fwd.logits(hidden), torch.tensor([target]), temperature))
+    return torch.cat(out)

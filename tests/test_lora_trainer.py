@@ -21,7 +21,7 @@ from lora.init import random_adapter
 from lora.merge import merge_checkpoint
 from parity.config import ModelConfig, load_model_config, parse_model_config
 from parity.kernels import INVARIANT
-from parity.model import K3Forward, K3Weights, new_cache, score_sequences
+from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from trainer.checkpoint_io import export_adapter, save_adapter, save_adapter_state
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
 from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
@@ -90,16 +90,9 @@ def test_logprobs_equal_shared_forward_and_rollout_decode_schedule(
     for i, s in enumerate(seqs):
         _assert_bits(lp[i, : len(s) - 1], score_sequences(fwd, [s], TEMPERATURE)[0], f"sequence {i} vs K3Forward")
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        caches = new_cache(cfg.text, 1)
-        hidden = fwd.hidden(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1),
-                            torch.tensor([len(prompt)]), caches)[:, -1]
-        rollout = [fwd.token_logprobs(fwd.logits(hidden), torch.tensor(completion[:1]), TEMPERATURE)]
-        for step, (token, target) in enumerate(zip(completion, completion[1:])):
-            hidden = fwd.hidden(torch.tensor([[token]]), torch.tensor([[len(prompt) + step]]), torch.tensor([1]),
-                                caches)[:, -1]
-            rollout.append(fwd.token_logprobs(fwd.logits(hidden), torch.tensor([target]), TEMPERATURE))
+        rollout = decode_logprobs(fwd, prompt, completion, TEMPERATURE)
         start = len(prompt) - 1
-        _assert_bits(lp[i, start : start + len(completion)], torch.cat(rollout), f"sequence {i} vs decode")
+        _assert_bits(lp[i, start : start + len(completion)], rollout, f"sequence {i} vs decode")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch.func import functional_call
 from parity.config import ModelConfig, load_model_config, parse_model_config
 from parity.kernels import INVARIANT
 from parity.kernels.moe import experts_combine
-from parity.model import K3Forward, K3Weights, new_cache
+from parity.model import K3Forward, K3Weights, decode_logprobs
 from parity.reference import ReferenceK3
 from parity.weights import text_specs
 from trainer import megatron_cpu_compat
@@ -156,16 +156,9 @@ def test_logprobs_equal_rollout_decode_schedule(par: ParallelContext,
         _assert_bits(token_logprobs(model, packed, TEMPERATURE), lp[batch.mask()], "packed vs padded")
     fwd = K3Forward(K3Weights.from_official(cfg.text, weights), INVARIANT)
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        caches = new_cache(cfg.text, 1)
-        hidden = fwd.hidden(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1),
-                            torch.tensor([len(prompt)]), caches)[:, -1]
-        rollout = [fwd.token_logprobs(fwd.logits(hidden), torch.tensor(completion[:1]), TEMPERATURE)]
-        for step, (token, target) in enumerate(zip(completion, completion[1:])):  # decode: one token per step
-            pos = torch.tensor([[len(prompt) + step]])
-            hidden = fwd.hidden(torch.tensor([[token]]), pos, torch.tensor([1]), caches)[:, -1]
-            rollout.append(fwd.token_logprobs(fwd.logits(hidden), torch.tensor([target]), TEMPERATURE))
+        rollout = decode_logprobs(fwd, prompt, completion, TEMPERATURE)
         start = len(prompt) - 1
-        _assert_bits(lp[i, start : start + len(completion)], torch.cat(rollout), f"sequence {i}")
+        _assert_bits(lp[i, start : start + len(completion)], rollout, f"sequence {i}")
 
 
 def test_one_optimizer_step_lowers_the_loss(par: ParallelContext, checkpoint: Path) -> None:

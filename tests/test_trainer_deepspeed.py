@@ -17,7 +17,7 @@ from lora.spec import AdapterError
 from lora.targets import lora_targets
 from parity.config import ModelConfig
 from parity.kernels import INVARIANT
-from parity.model import K3Forward, K3Weights, new_cache, score_sequences
+from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from parity.weights import text_specs
 from trainer.deepspeed_backend import (DeepSpeedTrainer, build_deepspeed_trainer, destroy, destroy_dist, init_dist,
                                       train_step)
@@ -129,16 +129,9 @@ def test_logprobs_equal_shared_forward_and_rollout_schedule(
     for i, (ref, s) in enumerate(zip(score_sequences(fwd, seqs, TEMPERATURE), seqs)):
         _assert_bits(lp[i, : len(s) - 1], ref, f"sequence {i} vs score_sequences")
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        caches = new_cache(cfg.text, 1)
-        hidden = fwd.hidden(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1),
-                            torch.tensor([len(prompt)]), caches)[:, -1]
-        rollout = [fwd.token_logprobs(fwd.logits(hidden), torch.tensor(completion[:1]), TEMPERATURE)]
-        for step, (token, target) in enumerate(zip(completion, completion[1:])):  # decode: one token per step
-            pos = torch.tensor([[len(prompt) + step]])
-            hidden = fwd.hidden(torch.tensor([[token]]), pos, torch.tensor([1]), caches)[:, -1]
-            rollout.append(fwd.token_logprobs(fwd.logits(hidden), torch.tensor([target]), TEMPERATURE))
+        rollout = decode_logprobs(fwd, prompt, completion, TEMPERATURE)
         start = len(prompt) - 1
-        _assert_bits(lp[i, start : start + len(completion)], torch.cat(rollout), f"sequence {i} vs decode")
+        _assert_bits(lp[i, start : start + len(completion)], rollout, f"sequence {i} vs decode")
 
 
 def test_export_round_trips_the_checkpoint(zero3: DeepSpeedTrainer, checkpoint: Path, tmp_path: Path,
