@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from parity.config import load_model_config
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 from zerokl.sync.bundle import SyncError, WeightBundle
 from zerokl.sync.transports import Disk
@@ -52,7 +53,7 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 class RolloutEngine:
-    """Wraps `vllm.LLM` on `checkpoint` (an official K3 checkpoint directory).
+    """Wraps `vllm.LLM` on `checkpoint` (an official Kimi K3 or Kimi Linear checkpoint directory).
 
     kernels: "invariant" (parity mode) or "fast" (plain torch ops: the negative control).
     engine_args: further `vllm.LLM` arguments (max_num_seqs, max_num_batched_tokens,
@@ -67,7 +68,8 @@ class RolloutEngine:
         from vllm import LLM
 
         self.kernels = kernels
-        self.llm = LLM(model=str(checkpoint), dtype="float32", hf_overrides=hf_overrides(kernels),
+        overrides = hf_overrides(kernels, load_model_config(checkpoint).model_type)
+        self.llm = LLM(model=str(checkpoint), dtype="float32", hf_overrides=overrides,
                        logprobs_mode="processed_logprobs", enforce_eager=True,
                        weight_transfer_config={"backend": WEIGHT_BACKEND}, **engine_args)
         self.llm.llm_engine.set_weight_version("0")

@@ -1,12 +1,16 @@
-"""The `vllm.general_plugins` entry point: registers zerokl's K3 model class and the `zerokl` weight-transfer
-backend (`rollout.weight_transfer`) in every vLLM process (main, model inspection subprocess, EngineCore,
-workers). Both are registered by module path, so nothing heavy is imported until vLLM needs it.
+"""The `vllm.general_plugins` entry point: registers zerokl's K3 / Kimi Linear model class and the `zerokl`
+weight-transfer backend (`rollout.weight_transfer`) in every vLLM process (main, model inspection subprocess,
+EngineCore, workers). Both are registered by module path, so nothing heavy is imported until vLLM needs it.
 
-Select the model for an official K3 checkpoint with `hf_overrides(kernels)` (no checkpoint edit):
+Select the model for an official checkpoint with `hf_overrides(kernels, model_type)` (no checkpoint edit).
+Both families, Kimi K3 (`KimiK3ForConditionalGeneration`) and Kimi Linear (`KimiLinearForCausalLM`), are
+served by the one model class, chosen by overriding `architectures`; vLLM's own classes for those
+architectures stay registered as they are:
 - `architectures` -> `ZeroKLK3ForCausalLM`;
-- `text_config.model_type` -> `zerokl_k3_text`: vLLM derives `use_mla` from the text model type
-  (`kimi_linear` is on its MLA list), and MLA mode on CPU forces block 16 / no prefix caching; this
-  model's latent cache is its own attention backend, not vLLM's MLA;
+- the text config's `model_type` -> `zerokl_k3_text` (K3: `text_config.model_type`; Kimi Linear, whose whole
+  config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`
+  is on its MLA list), and MLA mode on CPU forces block 16 / no prefix caching; this model's latent cache is
+  its own attention backend, not vLLM's MLA;
 - `zerokl_kernels` -> the parity kernel backend ("invariant", or "fast" for negative controls).
 """
 
@@ -20,12 +24,19 @@ KERNELS_KEY = "zerokl_kernels"
 WEIGHT_BACKEND = "zerokl"
 
 
-def hf_overrides(kernels: str = "invariant") -> dict[str, Any]:
-    """The `hf_overrides` that serve an official K3 checkpoint with zerokl's model on `kernels`."""
+def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3") -> dict[str, Any]:
+    """The `hf_overrides` that serve an official checkpoint of `model_type` ("kimi_k3" or "kimi_linear", the
+    checkpoint's `config.json` model_type) with zerokl's model on `kernels`."""
     from parity.kernels import get_kernels
 
     get_kernels(kernels)  # fail here, in the caller's process, on an unknown backend name
-    return {"architectures": [ARCH], "text_config": {"model_type": TEXT_MODEL_TYPE}, KERNELS_KEY: kernels}
+    if model_type == "kimi_k3":
+        text = {"text_config": {"model_type": TEXT_MODEL_TYPE}}
+    elif model_type == "kimi_linear":
+        text = {"model_type": TEXT_MODEL_TYPE}
+    else:
+        raise ValueError(f"zerokl serves model_type kimi_k3 or kimi_linear checkpoints, got {model_type!r}")
+    return {"architectures": [ARCH], **text, KERNELS_KEY: kernels}
 
 
 def register() -> None:

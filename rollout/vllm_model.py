@@ -1,6 +1,7 @@
 """zerokl's K3 as a vLLM model class: vLLM schedules, caches and samples; `parity.model` computes.
 
-`ZeroKLK3ForCausalLM` serves the official `KimiK3ForConditionalGeneration` checkpoints (text tower).
+`ZeroKLK3ForCausalLM` serves the official `KimiK3ForConditionalGeneration` checkpoints (text tower) and
+`KimiLinearForCausalLM` checkpoints, each under its family's tensor names (`parity.weights.text_names`).
 It holds the official tensors as plain fp32 parameters under their official names (no vLLM linear
 layers, so nothing is prepacked or emptied on CPU), and runs every op of the forward through
 `parity.model.K3Forward` on the chosen parity kernel backend, so a token's hidden state has the bits
@@ -40,15 +41,12 @@ class ModelSetupError(ValueError):
 
 
 def checkpoint_config(vllm_config: VllmConfig) -> ModelConfig:
-    """The official config of the served checkpoint, read from its directory (not vLLM's overridden copy)."""
+    """The official config of the served checkpoint, read from its directory (not vLLM's overridden copy):
+    Kimi K3 or Kimi Linear (`load_model_config` refuses any other model_type, naming it)."""
     path = Path(vllm_config.model_config.model)
     if not (path / "config.json").is_file():
         raise ModelSetupError(f"zerokl serves local checkpoint directories; {path} has no config.json")
-    cfg = load_model_config(path)
-    if cfg.model_type != "kimi_k3":
-        raise ModelSetupError(f"{path}: zerokl's vLLM model serves official Kimi K3 checkpoints "
-                              f"(model_type kimi_k3), got {cfg.model_type}")
-    return cfg
+    return load_model_config(path)
 
 
 def _copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: int,

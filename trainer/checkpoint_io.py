@@ -1,4 +1,5 @@
-"""Official-format checkpoints in and out of the Megatron K3 model, at any TP/EP split the config allows.
+"""Official-format checkpoints (Kimi K3 or Kimi Linear) in and out of the Megatron K3 model, at any TP/EP split
+the config allows.
 
 Load: every rank reads the whole official checkpoint (what `zerokl init-checkpoint` writes and vLLM loads) and
 copies its shard (`trainer.sharding`) into the fp32 master parameters. Export: shards are all-gathered over TP
@@ -23,7 +24,6 @@ from lora.adapter import Adapter, validate
 from lora.adapter import save_adapter as write_adapter
 from lora.state import write_shard
 from lora.targets import tensor_name
-from parity.weights import TEXT_PREFIX
 from trainer.modules import K3Model, local_experts
 from trainer.sharding import Split, lora_splits, shard, split_of, split_roles
 from zerokl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -41,7 +41,7 @@ def load_official(model: K3Model, weights: dict[str, torch.Tensor]) -> list[str]
     missing = [n for n in roles if n not in weights]
     if missing:
         raise CheckpointError(f"{len(missing)} text tensors missing, first: {missing[0]}")
-    extra = [n for n in weights if n.startswith(f"{TEXT_PREFIX}.") and n not in roles]
+    extra = [n for n in weights if n.startswith(model.root) and n not in roles]
     if extra:
         raise CheckpointError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()

@@ -1,5 +1,6 @@
 """Megatron's TransformerConfig extended with the K3 model: the official config and the parity kernel backend.
 
+The model is Kimi K3 or Kimi Linear (K3 with its extra blocks switched off, `parity.config.TextConfig`).
 Megatron fields are filled from the K3 text config where Megatron has an equivalent (layers, widths, experts,
 router top-k); they size Megatron's own objects (parallel linears, DDP, optimizer). Everything K3-specific
 (KDA, MLA latents, LatentMoE, AttnRes, SiTU) is read from `k3.text` by the shared forward in `parity.model`.
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from parity.config import ConfigError, ModelConfig
+from parity.config import ModelConfig
 from parity.kernels import BACKENDS
 from trainer.parallel import ParallelContext
 from trainer.sharding import check_divisible
@@ -36,8 +37,6 @@ class K3TransformerConfig(TransformerConfig):
 def k3_transformer_config(model_cfg: ModelConfig, par: ParallelContext, kernels: str = "invariant",
                           params_dtype: torch.dtype = torch.float32) -> K3TransformerConfig:
     """The trainer's config for `model_cfg` at `par`'s TP/EP sizes; fp32 master parameters unless asked."""
-    if model_cfg.model_type != "kimi_k3":
-        raise ConfigError(f"config: the trainer builds Kimi K3 (model_type kimi_k3), got {model_cfg.model_type!r}")
     t = model_cfg.text
     check_divisible(t, par.tp, par.ep)
     moe = {}

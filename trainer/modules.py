@@ -1,7 +1,8 @@
 """The K3 text model as Megatron-core modules: they own the parameters and their TP/EP sharding, nothing else.
 
-Module paths mirror the official checkpoint names (official name = `language_model.` + parameter name), so the
-sharding table, the loader and the exporter share one naming. Head- and column-indexed projections are
+Module paths mirror the official checkpoint names (official name = the family's `parity.weights.TextNames.root` +
+parameter name: `language_model.` for Kimi K3, nothing for Kimi Linear, whose decoder layers sit under `model.`),
+so the sharding table, the loader and the exporter share one naming. Head- and column-indexed projections are
 `ColumnParallelLinear`, output projections `RowParallelLinear`, the embedding `VocabParallelEmbedding`, routed
 experts expert-parallel linears in a ModuleDict keyed by the *global* expert index (an EP rank names its experts
 as the checkpoint does); norms, KDA gate parameters, conv kernels and the router are plain parameters.
@@ -29,7 +30,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from lora.spec import LoraSpec
-from parity.weights import TEXT_PREFIX, text_specs
+from parity.weights import kda_specs, text_names, text_specs
 from trainer.config import K3TransformerConfig
 from trainer.forward import ParallelK3Forward
 from trainer.logprobs import padded_logprobs
@@ -103,18 +104,25 @@ class Weight(nn.Module):
 
 
 class KDA(MegatronModule):
-    """Kimi Delta Attention: q/k/v/g, f_b, b and the gate parameters split by head; f_a and o_norm replicated."""
+    """Kimi Delta Attention: q/k/v, the output gate (full-rank g, or Kimi Linear's low-rank g_a -> g_b), f_b, b and
+    the gate parameters split by head; f_a, g_a and o_norm replicated."""
 
     def __init__(self, config: K3TransformerConfig):
         super().__init__(config)
         c = config.k3.text
         h, p, d, nh, w = c.hidden_size, c.kda_proj_size, c.kda_head_dim, c.kda_num_heads, c.conv_kernel
-        self.q_proj, self.k_proj, self.v_proj, self.g_proj = (_column(config, h, p) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj = (_column(config, h, p) for _ in range(3))
+        if c.use_full_rank_gate:
+            self.g_proj = _column(config, h, p)
+        else:
+            self.g_a_proj = Weight(_param(config, d, h))
+            self.g_b_proj = _column(config, d, p)
         self.f_a_proj = Weight(_param(config, d, h))
         self.f_b_proj = _column(config, d, p)
         self.b_proj = _column(config, h, nh)
         self.dt_bias = _param(config, p, tp_dim=0)
-        self.A_log = _param(config, nh, tp_dim=0)
+        a_log = kda_specs(c)["A_log"].shape  # [H] (K3) or [1, 1, H, 1] (Kimi Linear): split over the heads
+        self.A_log = _param(config, *a_log, tp_dim=0 if len(a_log) == 1 else 2)
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (Weight(_param(config, p, 1, w, tp_dim=0)) for _ in range(3))
         self.o_norm = Weight(_param(config, d))
         self.o_proj = _row(config, p, h)
@@ -219,15 +227,18 @@ class DecoderLayer(MegatronModule):
 
 
 class Embeddings(nn.Module):
-    """The official `model.` group: vocab-parallel embedding, final norm, output AttnRes scorer."""
+    """The official `model.` group: vocab-parallel embedding, [the decoder layers,] final norm, output AttnRes
+    scorer. `layers` is given where the family keeps them in this group (Kimi Linear: `model.layers`)."""
 
-    def __init__(self, config: K3TransformerConfig):
+    def __init__(self, config: K3TransformerConfig, layers: nn.ModuleList | None = None):
         super().__init__()
         c = config.k3.text
         h = c.hidden_size
         self.embed_tokens = _mark_split(VocabParallelEmbedding(
             c.vocab_size, h, init_method=_unused_init, config=config,
             tp_group=parallel_state.get_tensor_model_parallel_group()), 0)
+        if layers is not None:
+            self.layers = layers
         self.norm = Weight(_param(config, h))
         if c.attn_res_block_size is not None:
             self.output_attn_res_norm = Weight(_param(config, h))
@@ -247,8 +258,13 @@ class K3Model(MegatronModule):
     def __init__(self, config: K3TransformerConfig):
         super().__init__(config)
         c = config.k3.text
-        self.model = Embeddings(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(c.num_hidden_layers))
+        names = text_names(c)
+        self.root = names.root  # official name = root + parameter name
+        layers = nn.ModuleList(DecoderLayer(config, i) for i in range(c.num_hidden_layers))
+        in_model = names.layers == f"{names.model}.layers"
+        self.model = Embeddings(config, layers if in_model else None)
+        if not in_model:
+            self.layers = layers
         if not c.tie_word_embeddings:
             self.lm_head = _column(config, c.hidden_size, c.vocab_size)
         self.passthrough: dict[str, torch.Tensor] = {}
@@ -258,16 +274,16 @@ class K3Model(MegatronModule):
 
     def official_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters under their official text tensor names (local shards, local experts); no LoRA."""
-        return {f"{TEXT_PREFIX}.{name}": p for name, p in self.named_parameters() if not _is_lora(name)}
+        return {f"{self.root}{name}": p for name, p in self.named_parameters() if not _is_lora(name)}
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's LoRA parameters under their official-style names
         (`language_model.layers.N.<module>.lora_A.weight`: PEFT's names without `base_model.model.`)."""
-        return {f"{TEXT_PREFIX}.{name}": p for name, p in self.named_parameters() if _is_lora(name)}
+        return {f"{self.root}{name}": p for name, p in self.named_parameters() if _is_lora(name)}
 
     def lora_module(self, base: str) -> nn.Module:
         """The module holding the official base weight `base` (and its `lora_A` / `lora_B`)."""
-        return self.get_submodule(base.removeprefix(f"{TEXT_PREFIX}.").removesuffix(".weight"))
+        return self.get_submodule(base.removeprefix(self.root).removesuffix(".weight"))
 
     def add_lora(self, targets: dict[str, tuple[int, float]]) -> None:
         """Give each official base weight name in `targets` a LoRA of (rank, scale) and freeze every base parameter.

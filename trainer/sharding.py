@@ -1,8 +1,10 @@
-"""How each official K3 text tensor is laid out over tensor- and expert-parallel ranks: the one sharding table.
+"""How each official K3 / Kimi Linear text tensor is laid out over tensor- and expert-parallel ranks: the one
+sharding table.
 
-Every name of `parity.weights.text_specs` gets a `Split`; `split_roles` fails on a name it cannot place, so a
-new weight cannot silently be replicated. TP splits are contiguous along the split dim, rank 0 first; along a
-head-indexed dim that gives each rank whole, consecutive heads. Experts are split by EP into contiguous ranges.
+Every name of `parity.weights.text_specs` (either checkpoint family's names, `parity.weights.NAMES`) gets a
+`Split`; `split_roles` fails on a name it cannot place, so a new weight cannot silently be replicated. TP
+splits are contiguous along the split dim, rank 0 first; along a head-indexed dim that gives each rank whole,
+consecutive heads. Experts are split by EP into contiguous ranges.
 
 A *TP region* is a block whose inside runs per head or per MLP column: the KDA and MLA blocks and every gated
 MLP (dense, or shared experts). Its input's gradient is summed over TP at the region boundary.
@@ -16,7 +18,7 @@ from enum import Enum
 import torch
 
 from parity.config import TextConfig
-from parity.weights import TEXT_PREFIX, text_specs
+from parity.weights import NAMES, text_specs
 
 
 class Split(Enum):
@@ -29,15 +31,17 @@ class Split(Enum):
     ROW = "row"  # dim 1 split; the forward gathers input and weight and computes the whole GEMM
     VOCAB = "vocab"  # dim 0 split over the vocabulary (embedding, lm_head)
     EXPERT = "expert"  # whole, on the EP rank that owns the expert
+    HEADS_DIM2 = "heads_dim2"  # like COLUMN, split along dim 2: Kimi Linear's A_log, stored [1, 1, heads, 1]
 
     @property
     def tp_dim(self) -> int | None:
         """The dim split over TP ranks, or None when every TP rank holds the whole tensor."""
-        return {Split.COLUMN: 0, Split.COLUMN_GATHERED: 0, Split.VOCAB: 0, Split.ROW: 1}.get(self)
+        dims = {Split.COLUMN: 0, Split.COLUMN_GATHERED: 0, Split.VOCAB: 0, Split.ROW: 1, Split.HEADS_DIM2: 2}
+        return dims.get(self)
 
 
-# Names relative to `language_model.layers.N.`; `b_proj` is COLUMN_GATHERED because its local width
-# (KDA heads / TP) is below the width at which the CPU GEMM gives a column the same bits whatever the
+# Names relative to a decoder layer (`parity.weights.TextNames.layer`); `b_proj` is COLUMN_GATHERED because its
+# local width (KDA heads / TP) is below the width at which the CPU GEMM gives a column the same bits whatever the
 # matrix width (measured with MKL sgemm: outputs narrower than 12 columns take another code path).
 _LAYER: dict[str, Split] = {
     "input_layernorm.weight": Split.REPLICATED,
@@ -51,6 +55,8 @@ _LAYER: dict[str, Split] = {
     "self_attn.k_proj.weight": Split.COLUMN,
     "self_attn.v_proj.weight": Split.COLUMN,
     "self_attn.g_proj.weight": Split.COLUMN,
+    "self_attn.g_a_proj.weight": Split.REGION_REPLICATED,  # Kimi Linear's low-rank output gate
+    "self_attn.g_b_proj.weight": Split.COLUMN,
     "self_attn.f_a_proj.weight": Split.REGION_REPLICATED,
     "self_attn.f_b_proj.weight": Split.COLUMN,
     "self_attn.b_proj.weight": Split.COLUMN_GATHERED,
@@ -81,35 +87,48 @@ _LAYER: dict[str, Split] = {
     "block_sparse_moe.shared_experts.up_proj.weight": Split.COLUMN,
     "block_sparse_moe.shared_experts.down_proj.weight": Split.ROW,
 }
+# Per family: entries that differ from `_LAYER` (tensors whose stored shape differs between the families).
+_FAMILY_LAYER: dict[str, dict[str, Split]] = {"kimi_linear": {"self_attn.A_log": Split.HEADS_DIM2}}
 _TOP: dict[str, Split] = {
-    f"{TEXT_PREFIX}.model.embed_tokens.weight": Split.VOCAB,
-    f"{TEXT_PREFIX}.model.norm.weight": Split.REPLICATED,
-    f"{TEXT_PREFIX}.model.output_attn_res_norm.weight": Split.REPLICATED,
-    f"{TEXT_PREFIX}.model.output_attn_res_proj.weight": Split.REPLICATED,
-    f"{TEXT_PREFIX}.lm_head.weight": Split.VOCAB,
+    name: split
+    for names in NAMES.values()
+    for name, split in ((names.embed, Split.VOCAB), (names.norm, Split.REPLICATED),
+                        (names.output_res_norm, Split.REPLICATED), (names.output_res_proj, Split.REPLICATED),
+                        (names.lm_head, Split.VOCAB))
 }
-_LAYER_NAME = re.compile(rf"^{re.escape(TEXT_PREFIX)}\.layers\.\d+\.(.+)$")
+_LAYER_NAMES = {family: re.compile(rf"^{re.escape(names.layers)}\.\d+\.(.+)$") for family, names in NAMES.items()}
 _EXPERT_NAME = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w[123]\.weight$")
 
 
+def _in_layer(name: str) -> tuple[str, str] | None:
+    """(checkpoint family, name relative to its decoder layer) of a decoder-layer tensor name, else None."""
+    for family, pattern in _LAYER_NAMES.items():
+        m = pattern.match(name)
+        if m is not None:
+            return family, m.group(1)
+    return None
+
+
 def split_of(name: str) -> Split:
-    """The `Split` of one official text tensor name; KeyError naming it when the table has no entry."""
+    """The `Split` of one official text tensor name (either family); KeyError naming it when the table has no
+    entry."""
     if name in _TOP:
         return _TOP[name]
-    m = _LAYER_NAME.match(name)
-    if m is not None:
-        rel = m.group(1)
+    where = _in_layer(name)
+    if where is not None:
+        family, rel = where
         if _EXPERT_NAME.match(rel):
             return Split.EXPERT
-        if rel in _LAYER:
-            return _LAYER[rel]
+        split = _FAMILY_LAYER.get(family, {}).get(rel, _LAYER.get(rel))
+        if split is not None:
+            return split
     raise KeyError(f"no sharding entry for {name}")
 
 
 def expert_of(name: str) -> int | None:
     """The expert index of a routed-expert tensor name, else None."""
-    m = _LAYER_NAME.match(name)
-    e = _EXPERT_NAME.match(m.group(1)) if m else None
+    where = _in_layer(name)
+    e = _EXPERT_NAME.match(where[1]) if where else None
     return int(e.group(1)) if e else None
 
 

@@ -33,7 +33,8 @@ def _run_init_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("init-checkpoint", help="write a seeded random-weight checkpoint in the official K3 format")
+    p = sub.add_parser("init-checkpoint", help="write a seeded random-weight checkpoint in the official format "
+                                                   "(Kimi K3 or Kimi Linear, by the config's model_type)")
     p.add_argument("--config", required=True, help="model config (YAML/JSON, official HF format)")
     p.add_argument("--out", required=True, help="new checkpoint directory (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
