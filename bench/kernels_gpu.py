@@ -10,7 +10,7 @@ each input and output must move once; inputs rotate over enough copies to exceed
 timing is the median of many runs, replayed from a CUDA graph when the op can be captured (so Python
 launch cost is not counted for either side), else timed eagerly with CUDA events.
 
-Usage: python bench/kernels_gpu.py [--sweep] [--only OPS] [--out FILE]
+Usage: python bench/kernels_gpu.py [--sweep] [--profile] [--goals] [--no-table] [--only OPS]
 """
 
 from __future__ import annotations
@@ -109,6 +109,86 @@ def kernel_ms(fn: Callable[[int], object], reps: int = 10) -> float:
     return total / reps / 1e3
 
 
+def kernel_breakdown(fn: Callable[[int], object], reps: int = 10) -> list[tuple[str, int, float]]:
+    """(kernel, launches per call, device ms per call) for every kernel one call of `fn` runs, largest
+    first, from the torch profiler over `reps` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn(0)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append((e.key, e.count // reps, t / reps / 1e3))
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def print_breakdown(label: str, fn: Callable[[int], object]) -> None:
+    """One markdown table of `kernel_breakdown`, kernel names cut to 70 characters."""
+    rows = kernel_breakdown(fn)
+    total = sum(r[2] for r in rows)
+    print(f"\n#### {label}: {total:.4f} ms GPU time per call\n| kernel | launches | ms | share |\n|---|---|---|---|")
+    for name, count, ms in rows:
+        print(f"| `{name[:70]}` | {count} | {ms:.4f} | {ms / total:.0%} |")
+    sys.stdout.flush()
+
+
+PROFILED = {  # op group -> shapes whose kernels are listed one by one (`--profile`)
+    "linear": ("4096x4096 M=4096", "k3-full 7168x7168 M=1", "k3-full 7168x7168 M=64"),
+    "kda": ("goal H=16 d=128 T=4096", "goal H=16 d=128 T=1"),
+    "attention": ("prefill Tq=4096 S=4096 H=16 d=192/128", "decode B=64 Tq=1 S=4096 H=16 d=192/128"),
+}
+
+
+GOALS = {  # op group -> the issue's goal shapes, timed alternately with their baselines (`--goals`)
+    "linear": ("4096x4096 M=4096", "4096x4096 M=1", "4096x4096 M=64", "k3-full 7168x7168 M=1",
+               "k3-full 7168x7168 M=64"),
+    "kda": ("goal H=16 d=128 T=4096",),
+    "attention": ("prefill Tq=4096 S=4096 H=16 d=192/128", "decode B=8 Tq=1 S=4096 H=16 d=192/128"),
+}
+
+
+def _selected(tk, table: dict[str, tuple[str, ...]], groups: list[str]) -> list[Case]:
+    """The cases of `table` whose op group is in `groups`."""
+    out = []
+    for group in groups:
+        out += [c for c in ALL[group](tk) if c.shape in table.get(group, ())]
+    return out
+
+
+def profile_kernels(tk, groups: list[str]) -> None:
+    """Per-kernel device time of the invariant op and its baseline for the shapes in `PROFILED`."""
+    print("\n## Per-kernel GPU time (torch.profiler, 10 calls, ms per call)")
+    for c in _selected(tk, PROFILED, groups):
+        print_breakdown(f"{c.op} {c.shape}: invariant", c.inv)
+        if c.base is not None:
+            print_breakdown(f"{c.op} {c.shape}: {c.base_name}", c.base)
+    torch.cuda.empty_cache()
+
+
+def goal_rounds(tk, groups: list[str], rounds: int = 7) -> None:
+    """The `GOALS` shapes: invariant and baseline timed one after the other, `rounds` times (clock and
+    power drift hit both sides of a round alike); the median of the per-round ratios."""
+    print(f"\n## Goal shapes: invariant and baseline alternately, {rounds} rounds (ms; median of round ratios)")
+    print("| op | shape | invariant ms (min / median / max) | baseline ms (min / median / max) | median ratio |")
+    print("|---|---|---|---|---|")
+    for c in _selected(tk, GOALS, groups):
+        ti, tb = [], []
+        for _ in range(rounds):
+            ti.append(time_ms(c.inv, c.sets, c.graph))
+            tb.append(time_ms(c.base, c.sets, c.graph))
+        spread = lambda xs: f"{min(xs):.4f} / {statistics.median(xs):.4f} / {max(xs):.4f}"  # noqa: E731
+        ratio = statistics.median(a / b for a, b in zip(ti, tb))
+        print(f"| {c.op} | {c.shape} | {spread(ti)} | {spread(tb)} | {ratio:.3f}x |")
+        sys.stdout.flush()
+    torch.cuda.empty_cache()
+
+
 def ceilings() -> tuple[float, float]:
     """(copy bandwidth bytes/s counting read + write, bf16 matmul FLOP/s) measured here."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
@@ -205,6 +285,16 @@ def conv_cases(tk) -> list[Case]:
     return out
 
 
+def kda_inputs(t: int, h: int, d: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta, s0) for KDA at T = t: unit-norm bf16 q, k; fp32 log-decay in (-5, 0)."""
+    q = F.normalize(rnd(1, t, h, d, dtype=torch.float32), dim=-1).to(BF16)
+    k = F.normalize(rnd(1, t, h, d, dtype=torch.float32), dim=-1).to(BF16)
+    v = rnd(1, t, h, d)
+    g = -5.0 * torch.sigmoid(rnd(1, t, h, d, dtype=torch.float32))
+    beta = torch.sigmoid(rnd(1, t, h, dtype=torch.float32)).to(BF16)
+    return q, k, v, g, beta, torch.zeros(1, h, d, d, device=DEV)
+
+
 def kda_cases(tk) -> list[Case]:
     try:
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
@@ -214,12 +304,7 @@ def kda_cases(tk) -> list[Case]:
     out = []
     for name, h, d in (("k3-small", 6, 64), ("goal H=16 d=128", 16, 128)):
         for t in (1, 64, 4096):
-            q = F.normalize(rnd(1, t, h, d, dtype=torch.float32), dim=-1).to(BF16)
-            k = F.normalize(rnd(1, t, h, d, dtype=torch.float32), dim=-1).to(BF16)
-            v = rnd(1, t, h, d)
-            g = -5.0 * torch.sigmoid(rnd(1, t, h, d, dtype=torch.float32))
-            beta = torch.sigmoid(rnd(1, t, h, dtype=torch.float32)).to(BF16)
-            s0 = torch.zeros(1, h, d, d, device=DEV)
+            q, k, v, g, beta, s0 = kda_inputs(t, h, d)
             st = s0
             if t == 1:  # decode: the pending chunk holds 40 earlier tokens
                 pre = [x.repeat(1, 40, *([1] * (x.dim() - 2))) for x in (q, k, v, g, beta)]
@@ -360,89 +445,59 @@ ALL = {"linear": linear_cases, "kda": kda_cases, "attention": attention_cases, "
 
 # --- GEMM config sweep ----------------------------------------------------------------------------
 
-def sweep(tk) -> None:
-    """Time candidate tile configs (each one fixed for all M) at M = 1, 64, 4096 per weight shape."""
-    cfg = tk.linear.GemmConfig
-    cands = [cfg(128, 128, 64, 8, 8, 4, True), cfg(128, 128, 64, 8, 4, 4, True), cfg(128, 128, 64, 16, 8, 5, True),
-             cfg(128, 256, 64, 8, 8, 4, True), cfg(128, 128, 128, 8, 8, 3, True), cfg(64, 128, 64, 8, 4, 4, True),
-             cfg(128, 64, 64, 8, 4, 4, True), cfg(128, 128, 64, 8, 8, 4, True, k_segments=1)]
-    shapes = {nm: nk for nm, nk in GEMM_SHAPES.items() if "12288" not in nm and "down" not in nm}
-    print("\n## GEMM tile sweep (bf16; ms, and ratio to cuBLAS in parentheses)")
-    for name, (n, k) in shapes.items():
-        print(f"\n### {name}\n| config | " + " | ".join(f"M={m}" for m in TOKENS) + " | worst ratio |\n|---|---|---|---|---|")
-        base = {}
-        data = {}
-        for m in TOKENS:
-            s = _sets(2 * (m * k + n * k + m * n))
-            data[m] = ([rnd(m, k) for _ in range(s)], [rnd(n, k, scale=k**-0.5) for _ in range(s)])
-            xs, ws = data[m]
-            base[m] = time_ms(lambda i, xs=xs, ws=ws: torch.matmul(xs[i], ws[i].t()), s, True)
-        print("| cuBLAS | " + " | ".join(f"{base[m]:.4f}" for m in TOKENS) + " | 1.00 |")
-        best = None
-        for c in cands:
-            try:
-                ts = {}
-                for m in TOKENS:
-                    xs, ws = data[m]
-                    ts[m] = time_ms(lambda i, xs=xs, ws=ws, c=c: tk.linear.matmul(xs[i], ws[i], config=c), len(xs), True)
-                worst = max(ts[m] / base[m] for m in TOKENS)
-                print(f"| {c} | " + " | ".join(f"{ts[m]:.4f} ({ts[m] / base[m]:.2f})" for m in TOKENS) + f" | {worst:.2f} |")
-                if best is None or worst < best[0]:
-                    best = (worst, c)
-            except Exception as e:  # noqa: BLE001
-                print(f"| {c} | failed: {type(e).__name__}: {str(e)[:80]} |")
-        print(f"\nbest for {(n, k)}: {best}")
-        sys.stdout.flush()
-    print("\n## KDA state-walk V block (T=4096, H=16, d=128, bf16)")
-    h, d, t = 16, 128, 4096
-    q = F.normalize(rnd(1, t, h, d, dtype=torch.float32), dim=-1).to(BF16)
-    k = F.normalize(rnd(1, t, h, d, dtype=torch.float32), dim=-1).to(BF16)
-    v, g = rnd(1, t, h, d), -5.0 * torch.sigmoid(rnd(1, t, h, d, dtype=torch.float32))
-    beta = torch.sigmoid(rnd(1, t, h, dtype=torch.float32)).to(BF16)
-    s0 = torch.zeros(1, h, d, d, device=DEV)
-    default = tk.kda.STATE_BV
-    for bv in (16, 32, 64):
-        tk.kda.STATE_BV = bv
+SWEEP_SHAPES = {nm: nk for nm, nk in GEMM_SHAPES.items() if nk[0] >= 4096}
+
+
+def _sweep_shape(tk, name: str, n: int, k: int, cands: list, tokens: tuple[int, ...]) -> None:
+    """Times of each candidate at each M vs cuBLAS, and whether its 4096-row product has the bits of the
+    tile `gemm_config` picks at M = 4096 (a candidate for the other side of SPLIT_MAX_M must)."""
+    lin = tk.linear
+    print(f"\n### {name}\n| config | " + " | ".join(f"M={m}" for m in tokens) + " | worst ratio | bits = M=4096 tile |")
+    print("|---|" + "---|" * (len(tokens) + 2))
+    base, data = {}, {}
+    for m in tokens:
+        s = _sets(2 * (m * k + n * k + m * n))
+        data[m] = ([rnd(m, k) for _ in range(s)], [rnd(n, k, scale=k**-0.5) for _ in range(s)])
+        xs, ws = data[m]
+        base[m] = time_ms(lambda i, xs=xs, ws=ws: torch.matmul(xs[i], ws[i].t()), s, True)
+    print("| cuBLAS | " + " | ".join(f"{base[m]:.4f}" for m in tokens) + " | 1.00 | - |")
+    x4, w4 = rnd(4096, k), rnd(n, k, scale=k**-0.5)
+    ref = lin.matmul(x4, w4, config=lin.gemm_config(n, k, BF16, 4096))
+    for c in cands:
         try:
-            fn = lambda i: tk.TRITON.kda(q, k, v, g, beta, d**-0.5, s0)  # noqa: E731
-            print(f"STATE_BV={bv}: {time_ms(fn, 1, False):.4f} ms eager, {kernel_ms(fn):.4f} ms GPU kernel time")
+            ts = {}
+            for m in tokens:
+                xs, ws = data[m]
+                ts[m] = time_ms(lambda i, xs=xs, ws=ws, c=c: lin.matmul(xs[i], ws[i], config=c), len(xs), True)
+            worst = max(ts[m] / base[m] for m in tokens)
+            same = torch.equal(lin.matmul(x4, w4, config=c), ref)
+            print(f"| {c} | " + " | ".join(f"{ts[m]:.4f} ({ts[m] / base[m]:.2f})" for m in tokens)
+                  + f" | {worst:.2f} | {same} |")
         except Exception as e:  # noqa: BLE001
-            print(f"STATE_BV={bv}: failed {type(e).__name__}: {str(e)[:100]}")
-    tk.kda.STATE_BV = default
-    print("\n## attention tiles (prefill T=4096 and decode B=8, H=16, d=192/128, bf16)")
-    for b, tq in ((1, 4096), (8, 1)):
-        qq, kk, vv = rnd(b, tq, 16, 192), rnd(b, 4096, 16, 192), rnd(b, 4096, 16, 128)
-        pos = torch.arange(4096 - tq, 4096, device=DEV).expand(b, tq).contiguous()
-        lens = torch.full((b,), 4096, device=DEV)
-        dq, dkv = tk.attention.BLOCK_Q, tk.attention.BLOCK_KV
-        for bq, bkv in ((128, 64), (128, 128), (64, 64)):
-            tk.attention.BLOCK_Q, tk.attention.BLOCK_KV = bq, bkv
-            try:
-                ms = time_ms(lambda i: tk.TRITON.attention(qq, kk, vv, pos, lens, 0.07), 1, True)
-                print(f"B={b} Tq={tq} BLOCK_Q={bq} BLOCK_KV={bkv}: {ms:.4f} ms")
-            except Exception as e:  # noqa: BLE001
-                print(f"B={b} Tq={tq} BLOCK_Q={bq} BLOCK_KV={bkv}: failed {type(e).__name__}: {str(e)[:100]}")
-        tk.attention.BLOCK_Q, tk.attention.BLOCK_KV = dq, dkv
+            print(f"| {c} | failed: {type(e).__name__}: {str(e)[:80]} |")
+        sys.stdout.flush()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweep", action="store_true", help="also sweep GEMM tile configs")
-    ap.add_argument("--only", default=",".join(ALL), help=f"comma list of {','.join(ALL)}")
-    args = ap.parse_args()
-    import triton
+def sweep(tk) -> None:
+    """GEMM tiles: decode candidates (64-row tiles) at M = 1, 64 and prefill candidates (128-row tiles)
+    at M = 4096, per weight shape of at least 4096 x 4096."""
+    cfg = tk.linear.GemmConfig
+    decode = [cfg(64, 128, 64, 8, 4, 4, True), cfg(64, 64, 64, 8, 4, 4, True), cfg(64, 128, 64, 8, 4, 6, True),
+              cfg(64, 256, 64, 8, 4, 3, True)]
+    prefill = [cfg(128, 256, 64, 8, 8, 4, True), cfg(128, 256, 64, 8, 8, 3, True), cfg(128, 128, 64, 8, 8, 4, True)]
+    print("\n## GEMM tile sweep (bf16; ms, and ratio to cuBLAS in parentheses)")
+    for name, (n, k) in SWEEP_SHAPES.items():
+        _sweep_shape(tk, f"{name}: decode tiles", n, k, decode, (1, 64))
+        _sweep_shape(tk, f"{name}: prefill tiles", n, k, prefill, (4096,))
+        torch.cuda.empty_cache()
 
-    import parity.kernels.triton as tk
 
-    props = torch.cuda.get_device_properties(0)
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {props.name}, {props.multi_processor_count} SMs; "
-          f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}")
-    torch.manual_seed(0)
-    bw, peak = ceilings()
-    print(f"# ceilings measured here: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s")
+def main_table(tk, groups: list[str], bw: float, peak: float) -> None:
+    """One row per case of each op group: floor, invariant and baseline times, their ratio (and for
+    host-bound ops the summed GPU kernel times)."""
     print("\n| op | shape | floor ms | invariant ms | rate | baseline | baseline ms | invariant / baseline |")
     print("|---|---|---|---|---|---|---|---|")
-    for group in filter(None, args.only.split(",")):
+    for group in groups:
         try:
             cases = ALL[group](tk)
         except Exception as e:  # noqa: BLE001
@@ -475,6 +530,33 @@ def main() -> None:
             sys.stdout.flush()
         del cases
         torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="also sweep GEMM tile configs")
+    ap.add_argument("--profile", action="store_true", help="also list per-kernel GPU times (PROFILED shapes)")
+    ap.add_argument("--goals", action="store_true", help="also time the GOALS shapes alternately with baselines")
+    ap.add_argument("--no-table", action="store_true", help="skip the main table (with --goals / --profile)")
+    ap.add_argument("--only", default=",".join(ALL), help=f"comma list of {','.join(ALL)}")
+    args = ap.parse_args()
+    import triton
+
+    import parity.kernels.triton as tk
+
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {props.name}, {props.multi_processor_count} SMs; "
+          f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}")
+    torch.manual_seed(0)
+    bw, peak = ceilings()
+    print(f"# ceilings measured here: copy {bw / 1e12:.2f} TB/s (read + write), bf16 matmul 8192^3 {peak / 1e12:.0f} TFLOP/s")
+    groups = [g for g in args.only.split(",") if g]
+    if not args.no_table:
+        main_table(tk, groups, bw, peak)
+    if args.goals:
+        goal_rounds(tk, groups)
+    if args.profile:
+        profile_kernels(tk, groups)
     if args.sweep:
         sweep(tk)
 

@@ -445,9 +445,10 @@ def test_moe_matches_cpu_kernels(p: Platform) -> None:
 
 @pytest.mark.gpu
 def test_gpu_linear_bf16_rows_equal_at_every_m(gpu: Platform) -> None:
-    """bf16 GEMM at K3 widths: rows of M = 1 .. 4096 (split-K-segment path up to SPLIT_MAX_M rows, fused
-    above) equal the same rows of the M = 4096 product; with a LoRA term too."""
-    for n, k in ((7168, 7168), (4096, 4096), (1024, 384)):
+    """bf16 GEMM at K3 widths: rows of M = 1 .. 4096 (64-row tile on the split-K-segment path up to
+    SPLIT_MAX_M rows, 128-row tile fused above) equal the same rows of the M = 4096 product; with a LoRA
+    term too; (200, 100) runs the pointer-load path."""
+    for n, k in ((7168, 7168), (4096, 4096), (1024, 384), (200, 100)):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
         full = gpu.k.linear(x, w)
@@ -459,6 +460,21 @@ def test_gpu_linear_bf16_rows_equal_at_every_m(gpu: Platform) -> None:
         full = gpu.k.linear(x, w, lora)
         for m in (1, 64, 1000):
             assert_bits(gpu.k.linear(x[-m:].clone(), w, lora), full[-m:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(7168, 7168), (4096, 4096), (12288, 7168), (1024, 384), (384, 1024), (200, 100)])
+def test_gpu_linear_decode_and_prefill_tiles_bit_equal(gpu: Platform, n: int, k: int) -> None:
+    """The tile `gemm_config` picks for M <= SPLIT_MAX_M (64 rows) and the one it picks above (128 rows)
+    give the same bits on all 4096 rows of one product (both on the fused path), so choosing by M cannot
+    move a row; (200, 100) has unaligned rows and runs the pointer-load path."""
+    lin = gpu.mod.linear
+    dec = lin.gemm_config(n, k, torch.bfloat16, 1)
+    pre = lin.gemm_config(n, k, torch.bfloat16, 4096)
+    assert dec.block_m != pre.block_m and dec.block_k == pre.block_k and dec.k_segments == pre.k_segments
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    assert_bits(lin.matmul(x, w, config=dec), lin.matmul(x, w, config=pre))
 
 
 @pytest.mark.gpu

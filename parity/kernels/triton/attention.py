@@ -21,7 +21,7 @@ import triton.language as tl
 from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2
 
 BLOCK_Q = 128
-BLOCK_KV = 64
+BLOCK_KV = 128  # tile sweep on the H200: 0.310 vs 0.367 ms prefill, 0.148 vs 0.171 ms decode B = 8
 LOG2E = math.log2(math.e)
 
 

@@ -9,8 +9,11 @@ Chunked form (chunks of C = `CHUNK` tokens, gc = cumsum of g inside the chunk, S
     T = (I + L)^{-1};  W = T (beta k exp(gc));  U = T (beta v) - W S0
     O = (scale q exp(gc)) S0 + A U;   S_next = exp(gc_C) S0 + (k exp(gc_C - gc))^T U
 Five kernels: chunk-local cumsum (parallel), the 16x16 blocks of L and A (parallel; diagonal blocks
-element-wise, off-diagonal blocks as dots with every exponent <= 0), the triangular solve and W, U0
-(parallel), the state walk over chunks (sequential per head and V block) and the outputs (parallel).
+element-wise, off-diagonal blocks as dots with every exponent <= 0), the triangular solve (16x16
+diagonal blocks by substitution, the rest as dots) and W, U0 (parallel), the state walk over chunks
+(sequential per head and V block) and the outputs (parallel). Intermediates are fp32 except W and
+k exp(gc_C - gc), stored in the input dtype (bf16 inputs: half the bytes the state walk reads per chunk;
+each element is rounded on its own, so the rounding cannot depend on other rows).
 
 Invariant (the parity contract's KDA technique): the grid of chunks is anchored at absolute position 0
 and the state is carried only at chunk boundaries. Every row-t quantity above (L, A, T, W, U, O rows)
@@ -146,11 +149,50 @@ def _blocks_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, len_ptr, H,
 
 
 @triton.jit
+def _diag_inverses(a_base, c, sat, C: tl.constexpr, BC: tl.constexpr):
+    """The C / BC diagonal blocks of T = (I + L)^{-1}, [C / BC, BC, BC]: forward substitution inside each
+    block (row i from rows < i), all blocks at once, fp32 element-wise; row i reads only L rows <= i."""
+    bi = tl.arange(0, C // BC)
+    ii = tl.arange(0, BC)
+    rows = (c * C + bi[:, None, None] * BC + ii[None, :, None]).to(tl.int64)
+    l3 = tl.load(a_base + rows * sat + bi[:, None, None] * BC + ii[None, None, :])  # L[blk BC + i, blk BC + j]
+    t3 = tl.zeros((C // BC, BC, BC), dtype=tl.float32) + (ii[:, None] == ii[None, :]).to(tl.float32)[None, :, :]
+    for row in range(1, BC):
+        sel = ii[None, :, None] == row
+        l_row = tl.sum(tl.where(sel, l3, 0.0), axis=1)  # [blocks, BC]: L[row, :] of each block
+        new = -tl.sum(l_row[:, :, None] * t3, axis=1)  # -sum_k L[row, k] T[k, :]
+        new = tl.where(ii[None, :] == row, 1.0, new)
+        t3 = tl.where(sel, new[:, None, :], t3)
+    return t3
+
+
+@triton.jit
+def _unit_lower_inverse(a_base, c, sat, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """T = (I + L)^{-1} for the chunk's strictly lower L ([C, C] at a_base rows c C ...), by blocks of BC:
+    D = the diagonal blocks' inverses, then block row r: T[r, :r] = -T[r, r] (L[r, :r] T[:r, :r]) as two
+    dots (rows outside block r see exact zeros). Row t of T reads only L rows <= t."""
+    t2 = tl.reshape(_diag_inverses(a_base, c, sat, C, BC), (C, BC))  # row r: its block's row r % BC
+    i = tl.arange(0, C)
+    spread = ((i[None, :] % BC) == tl.arange(0, BC)[:, None]).to(tl.float32)  # [BC, C] one-hot
+    zero = tl.zeros((C, C), dtype=tl.float32)
+    d = mma(t2, spread, zero, "ieee", UPCAST)  # t2[r, c % BC]: one non-zero product per entry, exact
+    d = tl.where(i[:, None] // BC == i[None, :] // BC, d, 0.0)
+    l_full = tl.load(a_base + (c * C + i)[:, None].to(tl.int64) * sat + i[None, :])
+    tm = d
+    for r in tl.static_range(1, C // BC):
+        lr = tl.where((i[:, None] // BC == r) & (i[None, :] < r * BC), l_full, 0.0)
+        tm = tm - mma(d, mma(lr, tm, zero, PREC, UPCAST), zero, PREC, UPCAST)
+    return tm
+
+
+@triton.jit
 def _solve_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, kh_ptr, len_ptr, H, K, V,
                   sqb, sqt, sqh, svb, svt, svh, scb, sct, sch, sbb, sbt, sab, sat, sah, swb, swt, swh, sub, sut, suh,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """T = (I + L)^{-1} by forward substitution (row i from rows < i), then W = T (beta k exp(gc)), U0 = T (beta v),
-    and kh = k exp(gc_last - gc) for the state update (used for complete chunks only)."""
+                  C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """T = (I + L)^{-1} (`_unit_lower_inverse`), then W = T (beta k exp(gc)), U0 = T (beta v), and
+    kh = k exp(gc_last - gc) for the state update (used for complete chunks only)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -159,13 +201,7 @@ def _solve_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, kh_ptr,
     if c * C < n:
         i = tl.arange(0, C)
         t = (c * C + i).to(tl.int64)
-        a_base = akk_ptr + b * sab + h * sah
-        tm = (i[:, None] == i[None, :]).to(tl.float32)
-        for row in range(1, C):
-            l_row = tl.load(a_base + tl.cast(c * C + row, tl.int64) * sat + i)  # L[row, :], zero at and past the diagonal
-            new = -tl.sum(l_row[:, None] * tm, axis=0)
-            new = tl.where(i == row, 1.0, new)
-            tm = tl.where(i[:, None] == row, new[None, :], tm)
+        tm = _unit_lower_inverse(akk_ptr + b * sab + h * sah, c, sat, C, BC, PREC, UPCAST)
         rm = t[:, None] < n
         kk = tl.arange(0, BK)
         beta = tl.load(beta_ptr + b * sbb + t * sbt + h, mask=t < n, other=0.0).to(tl.float32)
@@ -173,9 +209,11 @@ def _solve_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, kh_ptr,
                      other=0.0).to(tl.float32)
         gt = tl.load(gc_ptr + b * scb + t[:, None] * sct + h * sch + kk[None, :], mask=kk[None, :] < K, other=0.0)
         w = mma(tm, beta[:, None] * kt * tl.exp(gt), tl.zeros((C, BK), dtype=tl.float32), PREC, UPCAST)
-        tl.store(w_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], w, mask=kk[None, :] < K)
+        tl.store(w_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=kk[None, :] < K)
         gl = tl.load(gc_ptr + b * scb + tl.cast(c * C + C - 1, tl.int64) * sct + h * sch + kk, mask=kk < K, other=0.0)
-        tl.store(kh_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], kt * tl.exp(gl[None, :] - gt),
+        kh = kt * tl.exp(gl[None, :] - gt)
+        tl.store(kh_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], kh.to(kh_ptr.dtype.element_ty),
                  mask=kk[None, :] < K)
         vv = tl.arange(0, BV)
         vt = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + vv[None, :], mask=rm & (vv[None, :] < V),
@@ -208,12 +246,14 @@ def _state_kernel(kh_ptr, gc_ptr, w_ptr, u_ptr, s0_ptr, sc_ptr, sout_ptr, len_pt
     for c in range(0, n_chunks):
         tl.store(sc_ptr + b * scb2 + tl.cast(c, tl.int64) * scc + h * sch2 + kk[:, None] * sck + vv[None, :], s, mask=smask)
         t = (c * C + i).to(tl.int64)
-        w = tl.load(w_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], mask=km[None, :], other=0.0)
+        w = tl.load(w_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], mask=km[None, :],
+                    other=0.0).to(tl.float32)
         u_ptrs = u_ptr + b * sub + t[:, None] * sut + h * suh + vv[None, :]
         u0 = tl.load(u_ptrs, mask=vm[None, :], other=0.0)
         u = u0 - mma(w, s, tl.zeros((C, BV), dtype=tl.float32), PREC, UPCAST)
         tl.store(u_ptrs, u, mask=vm[None, :])
-        kh = tl.load(kh_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], mask=km[None, :], other=0.0)
+        kh = tl.load(kh_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], mask=km[None, :],
+                     other=0.0).to(tl.float32)
         gl = tl.load(gc_ptr + b * scb + tl.cast(c * C + C - 1, tl.int64) * sct + h * sch + kk, mask=km, other=0.0)
         s_new = s * tl.exp(gl)[:, None] + mma(tl.trans(kh), u, tl.zeros((BK, BV), dtype=tl.float32), PREC, UPCAST)
         s = tl.where(c < n_full, s_new, s)
@@ -266,8 +306,8 @@ def _chunked(q, k, v, g, beta, scale: float, s0: torch.Tensor, lens: torch.Tenso
     gc = torch.empty(b, tp, h, kd, **f32)
     akk = torch.empty(b, tp, h, CHUNK, **f32)
     aqk = torch.empty(b, tp, h, CHUNK, **f32)
-    w = torch.empty(b, tp, h, kd, **f32)
-    kh = torch.empty(b, tp, h, kd, **f32)
+    w = torch.empty(b, tp, h, kd, dtype=q.dtype, device=dev)  # bf16 inputs: W and kh stored in bf16
+    kh = torch.empty(b, tp, h, kd, dtype=q.dtype, device=dev)
     u = torch.empty(b, tp, h, vd, **f32)
     sc = torch.empty(b, n_chunks, h, kd, vd, **f32)
     s_out = torch.empty(b, h, kd, vd, **f32)
@@ -288,7 +328,8 @@ def _chunked(q, k, v, g, beta, scale: float, s0: torch.Tensor, lens: torch.Tenso
     _blocks_kernel[(n_chunks, b * h, CHUNK // SUB)](q, k, gc, beta, akk, aqk, lens32, h, kd, float(scale), *qs, *gcs,
                                                     *bs, *a_s, BC=SUB, BK=bk, DK=min(DIAG_K, bk), num_warps=4, **common)
     _solve_kernel[(n_chunks, b * h)](k, v, gc, beta, akk, w, u, kh, lens32, h, kd, vd, *qs, v.stride(0), v.stride(1),
-                                     v.stride(2), *gcs, *bs, *a_s, *ws, *us, BK=bk, BV=bv, num_warps=8, **common)
+                                     v.stride(2), *gcs, *bs, *a_s, *ws, *us, BC=SUB, BK=bk, BV=bv, num_warps=8,
+                                     **common)
     _state_kernel[(triton.cdiv(vd, STATE_BV), b * h)](kh, gc, w, u, s0, sc, s_out, lens32, h, kd, vd, *gcs, *ws,
                                                       *us, *s0s[:2], s0.stride(2), *scs, BK=bk,
                                                       BV=min(STATE_BV, bv), num_warps=4, num_stages=2, **common)

@@ -1,16 +1,22 @@
 """Invariant GEMM y = x W^T (+ scale * (x A^T) B^T) in Triton, bf16 or fp32, fp32 accumulation.
 
-Invariant: one tile configuration per (N, K, dtype), looked up in `gemm_config`; the number of rows M
-never enters the choice. K is cut into a fixed number of segments (a function of K only); every
-output tile accumulates each segment from zero in BLOCK_K steps, then adds the segment sums in order,
-total = ((0 + s_0) + s_1) + ... . Two launch shapes compute exactly that sequence:
-- fused (large M): one program per tile walks the segments one after another;
+Invariant: a row's bits are a function of the row, W and the K order alone. K is cut into a fixed
+number of segments (a function of K only); every output tile accumulates each segment from zero in
+BLOCK_K steps, then adds the segment sums in order, total = ((0 + s_0) + s_1) + ... . Two launch shapes
+compute exactly that sequence:
+- fused (M > `SPLIT_MAX_M`): one program per tile walks the segments one after another;
 - split (M <= `SPLIT_MAX_M`, decode): one program per (tile, segment) writes its fp32 segment sum and a
-  second kernel adds the sums in segment order (same tile shape, same instructions),
-so a row's bits are the same on both paths (checked on the GPU at M = 1 ... 4096); the split only adds
-parallelism where few rows leave the GPU idle. The rows of a tile are independent inside the matrix
+  second kernel adds the sums in segment order,
+so a row's bits are the same on both paths. The rows of a tile are independent inside the matrix
 instructions and padded rows are loaded as zeros, so a row's bits do not depend on how many rows the
 batch has or where the row sits in it. Row counts are not specialised on (`do_not_specialize`).
+
+Tile shapes: `gemm_config(n, k, dtype, m)` picks a 64-row tile for M <= `SPLIT_MAX_M` and a 128-row
+tile above (bf16). Both share BLOCK_K and the segment rule, and on Hopper both issue the same
+per-warpgroup `wgmma m64nNk16` sequence for a given row (the tile's rows and columns only change how
+many such instructions run side by side), so the choice cannot move a row's bits;
+tests/test_kernels_triton.py::test_gpu_linear_decode_and_prefill_tiles_bit_equal checks every pair the
+table can pick with `torch.equal` over all 4096 rows, and the M = 1 ... 1000 row test crosses the switch.
 The LoRA term is a second GEMM t = x A^T (stored in x's dtype) and a rank-R dot in the epilogue,
 added as `base + (t B^T) * scale` like the CPU kernel.
 
@@ -37,7 +43,8 @@ except ImportError:  # pragma: no cover - older triton
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One GEMM tile configuration; fixed per (N, K, dtype), never chosen from M."""
+    """One GEMM tile configuration, chosen from the weight shape, dtype and which side of `SPLIT_MAX_M`
+    the row count falls (`gemm_config`)."""
 
     block_m: int
     block_n: int
@@ -50,20 +57,30 @@ class GemmConfig:
 
 
 SPLIT_MAX_M = 128  # at most this many rows: one program per (tile, K segment), then an ordered add
+DECODE_BF16 = GemmConfig(64, 128, 64, 8, 4, 4, tma=True)  # M <= SPLIT_MAX_M: one warpgroup, twice the programs
+PREFILL_BF16 = GemmConfig(128, 256, 64, 8, 8, 4, tma=True)  # N, K >= LARGE: the sweep's best at 4096^2, 7168^2
 DEFAULT_BF16 = GemmConfig(128, 128, 64, 8, 8, 4, tma=True)
 DEFAULT_FP32 = GemmConfig(64, 64, 32, 8, 4, 3, k_segments=1)
-# (N, K) -> config for bf16 weights, from the sweep in bench/kernels_gpu.py on the H200.
+LARGE = 4096
+# (N, K) -> prefill config for bf16 weights, from the sweep in bench/kernels_gpu.py on the H200.
 TABLE_BF16: dict[tuple[int, int], GemmConfig] = {
     (1024, 384): GemmConfig(128, 64, 64, 8, 4, 4, tma=True),  # k3-small up / gate
     (384, 1024): GemmConfig(128, 64, 64, 8, 4, 4, tma=True),  # k3-small down
 }
 
 
-def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """The tile configuration for an (N, K) weight; a function of the weight alone."""
-    if dtype == torch.bfloat16:
-        return TABLE_BF16.get((n, k), DEFAULT_BF16)
-    return DEFAULT_FP32
+def gemm_config(n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig:
+    """The tile configuration for an (N, K) weight and M rows. bf16: `DECODE_BF16` for M <= SPLIT_MAX_M,
+    else the table / size rule; every bf16 choice has BLOCK_K = 64 and the default segment rule, so a
+    row's K order (and, with one wgmma shape per row, its bits) is the same whichever is picked.
+    fp32: one config for every M (IEEE dots on CUDA cores)."""
+    if dtype != torch.bfloat16:
+        return DEFAULT_FP32
+    if m <= SPLIT_MAX_M:
+        return DECODE_BF16
+    if (n, k) in TABLE_BF16:
+        return TABLE_BF16[(n, k)]
+    return PREFILL_BF16 if n >= LARGE and k >= LARGE else DEFAULT_BF16
 
 
 def segments(k: int, cfg: GemmConfig) -> tuple[int, int]:
@@ -115,6 +132,18 @@ def _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm,
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _segment_range(K, SEG, SPLIT: tl.constexpr):
+    """The K segments this program sums: its own (split path, axis 1 of the grid) or all of them."""
+    if SPLIT:
+        s_lo = tl.program_id(1)
+        s_hi = s_lo + 1
+    else:
+        s_lo = 0
+        s_hi = tl.cdiv(K, SEG)
+    return s_lo, s_hi
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sym, syn,
                      R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
@@ -124,12 +153,7 @@ def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
-    if SPLIT:
-        s_lo = tl.program_id(1)
-        s_hi = s_lo + 1
-    else:
-        s_lo = 0
-        s_hi = tl.cdiv(K, SEG)
+    s_lo, s_hi = _segment_range(K, SEG, SPLIT)
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for s in range(s_lo, s_hi):
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -150,12 +174,7 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, s
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    if SPLIT:
-        s_lo = tl.program_id(1)
-        s_hi = s_lo + 1
-    else:
-        s_lo = 0
-        s_hi = tl.cdiv(K, SEG)
+    s_lo, s_hi = _segment_range(K, SEG, SPLIT)
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for s in range(s_lo, s_hi):
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -205,7 +224,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, lora_t: torch.Tensor | None = None,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or gemm_config(n, k, w.dtype)
+    cfg = config or gemm_config(n, k, w.dtype, m)
     has_lora = lora_t is not None
     if has_lora:
         assert lora_b is not None
