@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,28 +86,33 @@ def validate(adapter: Adapter, cfg: TextConfig) -> Adapter:
     return adapter
 
 
-def _read_tensors(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Pair the PEFT tensors of one safetensors file by module, upcast to fp32."""
+def pair_tensors(named: Mapping[str, torch.Tensor], where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT tensor name -> tensor, paired by module as (A, B) fp32; fails naming a bad name, dtype or a
+    missing half (`where` says whose tensors, for the message)."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                parsed = parse_tensor_name(name)
-                if parsed is None:
-                    raise AdapterError(f"{path.name}: unexpected tensor {name!r} (want "
-                                       f"'base_model.model.<module>.lora_A.weight' / '.lora_B.weight')")
-                t = f.get_tensor(name)
-                if t.dtype not in FLOAT_DTYPES:
-                    raise AdapterError(f"{path.name}: {name} has dtype {t.dtype}; "
-                                       "expected float32, bfloat16 or float16")
-                halves.setdefault(parsed[0], {})[parsed[1]] = t.to(torch.float32)
-    except SafetensorError as e:
-        raise AdapterError(f"{path}: not a readable safetensors file ({e})") from e
+    for name, t in named.items():
+        parsed = parse_tensor_name(name)
+        if parsed is None:
+            raise AdapterError(f"{where}: unexpected tensor {name!r} (want "
+                               f"'base_model.model.<module>.lora_A.weight' / '.lora_B.weight')")
+        if t.dtype not in FLOAT_DTYPES:
+            raise AdapterError(f"{where}: {name} has dtype {t.dtype}; expected float32, bfloat16 or float16")
+        halves.setdefault(parsed[0], {})[parsed[1]] = t.to(torch.float32)
     for module, pair in halves.items():
         for which in "AB":
             if which not in pair:
-                raise AdapterError(f"{path.name}: {tensor_name(module, which)} is missing")
+                raise AdapterError(f"{where}: {tensor_name(module, which)} is missing")
     return {m: (p["A"], p["B"]) for m, p in halves.items()}
+
+
+def _read_tensors(path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Pair the PEFT tensors of one safetensors file by module, upcast to fp32."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            named = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise AdapterError(f"{path}: not a readable safetensors file ({e})") from e
+    return pair_tensors(named, path.name)
 
 
 def read_config(path: str | Path) -> LoraSpec:

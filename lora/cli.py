@@ -1,7 +1,9 @@
-"""`zerokl lora`: write a random test adapter, export a trained one, merge one into a checkpoint.
+"""`zerokl lora`: write a random test adapter, export a trained one, merge one into a checkpoint, push one into
+running servers and list what they serve.
 
 Every subcommand validates the adapter against the model's config; user mistakes raise `AdapterError` (a
-ValueError) or the checkpoint / config errors, which `zerokl` prints as one line (exit 2).
+ValueError) or the checkpoint / config errors, which `zerokl` prints as one line (exit 2). A push or list that a
+server refuses or cannot answer prints the server's reason and what was rolled back (exit 1).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from lora.adapter import save_adapter
 from lora.init import random_adapter
 from lora.merge import merge_checkpoint
+from lora.push import PushError, Server, format_listing, list_servers, push
 from lora.spec import MAX_RANK
 from lora.state import read_state
 from parity.config import load_model_config
@@ -41,9 +44,38 @@ def _run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _servers(args: argparse.Namespace) -> list[Server]:
+    return [Server(url, args.api_key) for url in args.server]
+
+
+def _run_push(args: argparse.Namespace) -> int:
+    try:
+        version = push(_servers(args), args.name, args.adapter, log=_progress)
+    except PushError as e:
+        print(f"zerokl: error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.name}: version {version} serving on {len(args.server)} server(s)")
+    return 0
+
+
+def _run_list(args: argparse.Namespace) -> int:
+    try:
+        print(format_listing(list_servers(_servers(args))))
+    except PushError as e:
+        print(f"zerokl: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", action="append", required=True,
+                   help="base URL of a `zerokl serve --lora-root` server, e.g. http://127.0.0.1:8000 (repeatable)")
+    p.add_argument("--api-key", help="the servers' API key (vLLM --api-key)")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `zerokl lora {init,export,merge}`."""
-    p = subparsers.add_parser("lora", help="LoRA adapters in PEFT format: init, export, merge")
+    """Register `zerokl lora {init,export,merge,push,list}`."""
+    p = subparsers.add_parser("lora", help="LoRA adapters in PEFT format: init, export, merge, push, list")
     sub = p.add_subparsers(dest="lora_command", required=True)
 
     init = sub.add_parser("init", help="write a seeded random adapter (non-zero B, so it changes outputs)")
@@ -70,3 +102,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("--dtype", default=None,
                        help="store the merged model in bfloat16, float16 or float32 (default: as the checkpoint)")
     merge.set_defaults(func=_run_merge)
+
+    push_p = sub.add_parser("push", help="load an adapter into running servers under NAME, atomically (all or none)")
+    _server_args(push_p)
+    push_p.add_argument("--name", required=True, help="the model name requests use for this adapter")
+    push_p.add_argument("--adapter", required=True, help="PEFT adapter directory inside the servers' --lora-root")
+    push_p.set_defaults(func=_run_push)
+
+    list_p = sub.add_parser("list", help="show the adapters each server holds")
+    _server_args(list_p)
+    list_p.set_defaults(func=_run_list)

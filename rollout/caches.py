@@ -71,6 +71,11 @@ class StepGroup:
             groups.append(StepGroup(rows, lens, torch.where(offs < lens.view(-1, 1), index, -1)))
         return groups
 
+    def subset(self, keep: torch.Tensor) -> StepGroup:
+        """The rows where `keep` [B] is true, padded to their own longest row."""
+        lens = self.lens[keep]
+        return StepGroup(self.rows[keep], lens, self.token_index[keep, : int(lens.max())])
+
     def gather(self, flat: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
         """flat: [N, ...] per-token values -> [B, T, ...], `fill` on padding."""
         out = flat[self.token_index.clamp(min=0)]

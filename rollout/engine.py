@@ -7,6 +7,11 @@ token under the distribution it was sampled from (fp32, `log_softmax(logits / T)
 With the `invariant` kernels these log-probs are bit-identical to `parity.model.score_sequences` on the
 same weights, whatever vLLM does around them: batching, chunked prefill, prefix-cache hits, preemption.
 
+LoRA: start with vLLM's `enable_lora=True, max_loras=N, max_lora_rank=R`; `load_adapter(name, path)` reads a
+PEFT adapter into the workers (validated by `lora.adapter` there) and returns the `LoRARequest` that selects it
+per prompt in `generate(lora=...)`. Base and adapter requests share batches; each keeps its bits
+(`rollout.lora_table`).
+
 Determinism: sample j of a prompt with seed s is drawn with vLLM's per-request generator seeded by
 `sample_seed(s, j)`, so it depends only on (weights, prompt, s, j), not on the rest of the batch.
 """
@@ -14,12 +19,13 @@ Determinism: sample j of a prompt with seed s is drawn with vLLM's per-request g
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,9 +34,14 @@ from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 from zerokl.sync.bundle import SyncError, WeightBundle
 from zerokl.sync.transports import Disk
 
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
 # Engine arguments the engine sets itself: parity depends on them.
 _FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "enforce_eager", "weight_transfer_config")
-_GREEDY_EPS = 1e-5  # vLLM's sampler treats temperature below this as greedy (`_SAMPLING_EPS`)
+_GREEDY_EPS = 1e-5
+POLICY_VERSION_SEP = "@v"
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks  # the policy adapter's version v is loaded as `name@v<v>`  # vLLM's sampler treats temperature below this as greedy (`_SAMPLING_EPS`)
 
 
 class RolloutError(ValueError):
@@ -73,6 +84,10 @@ class RolloutEngine:
                        logprobs_mode="processed_logprobs", enforce_eager=True,
                        weight_transfer_config={"backend": WEIGHT_BACKEND}, **engine_args)
         self.llm.llm_engine.set_weight_version("0")
+        self._lora_ids = 0
+        self.text_cfg = load_model_config(checkpoint).text
+        self.policy_adapter: LoRARequest | None = None
+        self._policy_name, self._policy_spec, self._policy_shapes = "", None, {}
         self._updates = Path(tempfile.mkdtemp(prefix="zerokl-weights-"))
 
     @property
@@ -81,32 +96,74 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int] | str], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
-                 top_k: int | None = None, ignore_eos: bool = False) -> list[Sample]:
+                 top_k: int | None = None, ignore_eos: bool = False,
+                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[Sample]:
         """`n` samples per prompt, prompt-major (sample j of prompt i is entry i * n + j).
 
         prompts: token id lists or text (tokenized by the checkpoint's tokenizer).
         seed: one seed for the call (prompt i gets `sample_seed(seed, i)`) or one seed per prompt.
         top_p / top_k: refused in parity mode (the trainer scores the full softmax).
+        lora: an adapter from `load_adapter` for every prompt, or one per prompt (None: the base model).
         """
         from vllm import SamplingParams
 
         seeds = self._prompt_seeds(prompts, seed)
+        loras = self._prompt_loras(prompts, lora)
         self._check_sampling(n, temperature, max_tokens, top_p, top_k)
         truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k)) if v is not None}
-        requests, params = [], []
-        for prompt, s in zip(prompts, seeds):
+        requests, params, adapters = [], [], []
+        for prompt, s, adapter in zip(prompts, seeds, loras):
             request = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
             for j in range(n):
                 requests.append(request)
+                adapters.append(adapter)
                 params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
                                              seed=sample_seed(s, j), ignore_eos=ignore_eos, **truncation))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapters)
         return [self._sample(out) for out in outputs]
 
+    def load_adapter(self, name: str, path: str | Path) -> LoRARequest:
+        """Load the PEFT adapter directory `path` into the workers under a new id; returns the request that
+        selects it. Raises `RolloutError` with the workers' reason (e.g. `lora.adapter`'s validation) and
+        leaves the engine's adapters as they were."""
+        from vllm.lora.request import LoRARequest
+
+        if self.llm.llm_engine.vllm_config.lora_config is None:
+            raise RolloutError("this engine was started without LoRA; pass enable_lora=True, max_loras and "
+                               "max_lora_rank to RolloutEngine")
+        self._lora_ids += 1
+        request = LoRARequest(name, self._lora_ids, str(Path(path).resolve()))
+        try:
+            self.llm.llm_engine.add_lora(request)
+        except Exception as e:  # the worker's AdapterError arrives wrapped by vLLM's RPC
+            raise RolloutError(f"adapter {name} ({path}) was not loaded: {_root_message(e)}") from None
+        return request
+
+    def remove_adapter(self, request: LoRARequest) -> None:
+        """Drop an adapter loaded with `load_adapter` from the workers."""
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+
+    def set_policy_adapter(self, name: str, path: str | Path) -> LoRARequest:
+        """Load the adapter at `path` as the policy adapter: the one adapter bundles (`update_weights` with
+        `kind="adapter"`) replace. Later bundles must carry the same tensors (names, shapes, fp32)."""
+        from lora.adapter import load_adapter
+
+        adapter = load_adapter(path, self.text_cfg)
+        request = self.load_adapter(f"{name}{POLICY_VERSION_SEP}{self.policy_version}", path)
+        if self.policy_adapter is not None:
+            self.remove_adapter(self.policy_adapter)
+        self.policy_adapter, self._policy_name, self._policy_spec = request, name, adapter.spec
+        self._policy_shapes = {n: (tuple(t.shape), torch.float32) for n, t in adapter.tensors().items()}
+        return request
+
     def update_weights(self, bundle: WeightBundle) -> None:
-        """Install a full fp32 weight bundle (`zerokl.sync`) in the workers, all-or-nothing, then drop the
-        prefix cache (its latents and states came from the old weights). Raises `SyncError` on a
-        rejected update; the engine then keeps its previous weights and version."""
+        """Install a weight bundle (`zerokl.sync`), all-or-nothing: `kind="full"` (every fp32 text tensor) in the
+        workers' parameters, then drop the prefix cache (its latents and states came from the old weights);
+        `kind="adapter"` (the policy adapter's PEFT tensors) as a new version of the policy adapter. Raises
+        `SyncError` on a rejected update; the engine then keeps its previous weights, adapter and version."""
+        if bundle.kind == "adapter":
+            self._update_policy_adapter(bundle)
+            return
         staging = Disk(Path(tempfile.mkdtemp(dir=self._updates)))
         try:
             staging.send(bundle)
@@ -120,6 +177,29 @@ class RolloutEngine:
         finally:
             shutil.rmtree(staging.root, ignore_errors=True)
         self.llm.reset_prefix_cache()
+        self.llm.llm_engine.set_weight_version(str(bundle.version))
+
+    def _update_policy_adapter(self, bundle: WeightBundle) -> None:
+        """Verify the bundle against the policy adapter's tensors, write it as a PEFT directory, load it under a
+        new versioned name, then drop the old version (requests name `policy_adapter`, read per call)."""
+        from lora.adapter import Adapter, pair_tensors, save_adapter
+        from zerokl.sync.bundle import verify
+
+        if self.policy_adapter is None:
+            raise SyncError("adapter update without a policy adapter: call set_policy_adapter first")
+        verify(bundle, self._policy_shapes, self.policy_version)
+        directory = self._updates / f"adapter-v{bundle.version:08d}"
+        try:
+            save_adapter(Adapter(self._policy_spec, pair_tensors(bundle.tensors, "adapter update")), directory)
+            request = self.load_adapter(f"{self._policy_name}{POLICY_VERSION_SEP}{bundle.version}", directory)
+        except (ValueError, RolloutError) as e:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise SyncError(f"adapter update {bundle.version} rejected: {e}") from None
+        old = self.policy_adapter
+        self.policy_adapter = request
+        self.remove_adapter(old)
+        if Path(old.lora_path).parent == self._updates:
+            shutil.rmtree(old.lora_path, ignore_errors=True)
         self.llm.llm_engine.set_weight_version(str(bundle.version))
 
     def close(self) -> None:
@@ -158,6 +238,15 @@ class RolloutEngine:
         return list(seed)
 
     @staticmethod
+    def _prompt_loras(prompts: Sequence[Sequence[int] | str],
+                      lora: LoRARequest | Sequence[LoRARequest | None] | None) -> list[LoRARequest | None]:
+        if lora is None or not isinstance(lora, Sequence):
+            return [lora] * len(prompts)
+        if len(lora) != len(prompts):
+            raise RolloutError(f"got {len(lora)} adapters for {len(prompts)} prompts; give one per prompt or one")
+        return list(lora)
+
+    @staticmethod
     def _sample(out: Any) -> Sample:
         c = out.outputs[0]
         versions = {span.version for span in c.weight_versions or ()}
@@ -166,3 +255,18 @@ class RolloutEngine:
         tokens = list(c.token_ids)
         lps = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)], dtype=torch.float32)
         return Sample(list(out.prompt_token_ids), tokens, lps, int(versions.pop()), out.num_cached_tokens or 0)
+
+
+def lora_engine_args(adapter_rank: int, max_loras: int = 1) -> dict[str, Any]:
+    """vLLM LoRA engine arguments for adapters up to `adapter_rank` (vLLM accepts only a few max ranks)."""
+    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= adapter_rank), None)
+    if rank is None:
+        raise RolloutError(f"adapter rank {adapter_rank} exceeds vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": rank}
+
+
+def _root_message(error: BaseException) -> str:
+    """The worker's own message inside vLLM's RPC error ("... Worker failed with error '<msg>', please ...")."""
+    text = str(error)
+    found = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
+    return found.group(1) if found else text

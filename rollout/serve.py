@@ -6,6 +6,10 @@ fails with PackageNotFoundError) with the flags parity needs: fp32, the zerokl m
 (`rollout.plugin.hf_overrides`), `processed_logprobs` (log-probs under the sampling temperature), eager
 mode and the `zerokl` weight-transfer backend. Completions with `logprobs=0` and a `seed` return the
 same tokens and log-probs as `rollout.engine.RolloutEngine` for the same seed.
+
+With `--lora-root DIR` it also serves LoRA adapters (`--max-loras`, `--max-lora-rank`): vLLM's runtime
+loading endpoints are on, restricted to adapters inside DIR, with the `zerokl lora push / list` routes
+(`rollout.lora_server`); adapter requests keep the same bits as in `RolloutEngine` (`rollout.lora_table`).
 """
 
 from __future__ import annotations
@@ -15,14 +19,33 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from parity.config import load_model_config
+from rollout.lora_server import LORA_ROOT_ENV
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 
 
+@dataclass(frozen=True)
+class LoraServing:
+    """LoRA settings of a server: adapters load only from inside `root`."""
+
+    root: Path
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    def argv(self) -> list[str]:
+        return ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank),
+                "--middleware", "rollout.lora_server.lora_admin"]
+
+    def env(self) -> dict[str, str]:
+        return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", LORA_ROOT_ENV: str(Path(self.root).resolve())}
+
+
 def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "127.0.0.1", port: int = 8000,
-               vllm_args: Sequence[str] = (), model_type: str = "kimi_k3") -> list[str]:
+               vllm_args: Sequence[str] = (), model_type: str = "kimi_k3",
+               lora: LoraServing | None = None) -> list[str]:
     """The server command line (argv[0] is this Python); `model_type` is the checkpoint's ("kimi_k3" or
     "kimi_linear", `run` reads it from the checkpoint)."""
     return [
@@ -35,6 +58,7 @@ def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "
         "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
         "--host", host,
         "--port", str(port),
+        *(lora.argv() if lora else []),
         *vllm_args,
     ]
 
@@ -48,6 +72,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="parity kernel backend (fast: the non-invariant negative control)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--lora-root", help="serve LoRA adapters, loadable at runtime only from inside this directory "
+                                       "(zerokl lora push)")
+    p.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (with --lora-root)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (with --lora-root)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="further api_server flags after '--' (e.g. -- --max-model-len 4096)")
     p.set_defaults(func=run)
@@ -58,7 +86,13 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(args.checkpoint) / "config.json").is_file():
         print(f"zerokl: error: {args.checkpoint} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
+    lora = None
+    if args.lora_root is not None:
+        if not Path(args.lora_root).is_dir():
+            print(f"zerokl: error: --lora-root {args.lora_root} is not a directory", file=sys.stderr)
+            return 2
+        lora = LoraServing(Path(args.lora_root), args.max_loras, args.max_lora_rank)
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra,
-                      load_model_config(args.checkpoint).model_type)
-    os.execv(argv[0], argv)
+                      load_model_config(args.checkpoint).model_type, lora)
+    os.execve(argv[0], argv, {**os.environ, **(lora.env() if lora else {})})

@@ -17,6 +17,16 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
    address as the latent layer's (the full 40,960 B page); when a state view comes first, only its bytes
    of the page are copied and the latents at the end of a copied block stay zero. The patch hands the
    function the views widest-first, so every shared page is copied whole.
+3. LoRA on a model without vLLM linear layers. `LoRAModelManager.__init__` asserts that
+   `get_supported_lora_modules(model)` is non-empty (`vllm/lora/model_manager.py:101-104`), and the worker's
+   adapter loader accepts only tensors of those module suffixes (`vllm/lora/worker_manager.py:108-118`); the
+   upstream function finds only `LinearBase` / `MoERunner` modules. For a model that declares
+   `zerokl_lora_suffixes`, the patch returns them. (No vLLM LoRA layer is created for such a model:
+   `_create_lora_modules` wraps only vLLM layer classes, `vllm/lora/utils.py:249-285`.)
+4. Reading adapters with zerokl's loader. `WorkerLoRAManager._load_adapter`
+   (`vllm/lora/worker_manager.py:106-175`) is the one place the worker sees an adapter's path; the patch
+   first calls the model's `zerokl_load_adapter(lora_request)` when it has one, so the adapter is read and
+   validated by `lora.adapter` (an error there fails the load, before vLLM registers anything).
 """
 
 from __future__ import annotations
@@ -80,14 +90,40 @@ def _widest_views_first(original: Any) -> Any:
     return copy_kv_cache_blocks_inplace
 
 
+def _declared_lora_modules(original: Any) -> Any:
+    """Wrap `get_supported_lora_modules(model)`: a model's own `zerokl_lora_suffixes` when it declares them."""
+
+    def get_supported_lora_modules(model: Any) -> list[str]:
+        declared = getattr(model, "zerokl_lora_suffixes", None)
+        return list(declared) if declared is not None else original(model)
+
+    return get_supported_lora_modules
+
+
+def _zerokl_adapter_reader(original: Any) -> Any:
+    """Wrap `WorkerLoRAManager._load_adapter`: the model's `zerokl_load_adapter` first, then vLLM's loader."""
+
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        hook = getattr(self._adapter_manager.model, "zerokl_load_adapter", None)
+        if hook is not None:
+            hook(lora_request)
+        return original(self, lora_request)
+
+    return _load_adapter
+
+
 def apply() -> None:
     """Install the patches above (idempotent); called in the vLLM worker process that builds the model."""
     global _applied
     if _applied:
         return
+    from vllm.lora import model_manager
+    from vllm.lora.worker_manager import WorkerLoRAManager
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     CPUModelRunner._sample = _rewindable_sample(CPUModelRunner._sample)
     gpu_model_runner.copy_kv_cache_blocks_inplace = _widest_views_first(gpu_model_runner.copy_kv_cache_blocks_inplace)
+    model_manager.get_supported_lora_modules = _declared_lora_modules(model_manager.get_supported_lora_modules)
+    WorkerLoRAManager._load_adapter = _zerokl_adapter_reader(WorkerLoRAManager._load_adapter)
     _applied = True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,12 +28,15 @@ from parity.model import K3Forward, K3Weights, KDACache
 from parity.weights import text_specs
 from rollout import vllm_compat
 from rollout.backends import CACHE_DTYPE
+from lora.targets import suffixes
 from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_shapes
+from rollout.lora_table import AdapterTable
 from rollout.plugin import KERNELS_KEY
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec, MambaStateCopyFunc
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMambaPrefixCaching
+from vllm.model_executor.models.interfaces import (HasInnerState, IsHybrid, SupportsLoRA,
+                                                   SupportsMambaPrefixCaching)
 from zerokl.checkpoint import all_specs
 
 
@@ -71,8 +75,12 @@ def _param_tree(specs: dict[str, tuple[int, ...]]) -> nn.Module:
     return root
 
 
-class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching):
-    """K3 text model on the parity kernels, with vLLM-managed MLA latent and KDA state caches."""
+class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching, SupportsLoRA):
+    """K3 text model on the parity kernels, with vLLM-managed MLA latent and KDA state caches, and vLLM LoRA
+    computed by the parity kernels (`rollout.lora_table`)."""
+
+    embedding_modules: ClassVar[dict[str, str]] = {}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -95,6 +103,9 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         for name, child in root.named_children():
             self.add_module(name, child)
         self.fwd = K3Forward(K3Weights(cfg, dict(self.named_parameters())), self.kernels)
+        self.adapters = AdapterTable(self.fwd, self.kernels)
+        self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm_compat)
+        self.lora_manager: Any = None  # vLLM's LoRAModelManager sets itself here when LoRA is enabled
         self.cache_layers = nn.ModuleList(
             KDAStateLayer(cfg, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
             else LatentCacheLayer(cfg.mla_latent_size, f"{prefix}cache_layers.{i}", vllm_config)
@@ -117,14 +128,29 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         layers = list(self.cache_layers)
         layout = metadata[layers[0].prefix].layout
         for group in StepGroup.split(layout):
-            caches = [layer.read(metadata[layer.prefix], group) if isinstance(layer, KDAStateLayer)
-                      else layer.view(metadata[layer.prefix], group) for layer in layers]
-            hidden = self.fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches)
-            for layer, cache in zip(layers, caches):
-                if isinstance(cache, KDACache):
-                    layer.write(metadata[layer.prefix], group, cache)
-            out[group.token_index[group.valid]] = hidden[group.valid]
+            ids = self.adapters.row_ids(self.lora_manager, group.token_index[:, 0])
+            for lora_id in ids.unique().tolist():
+                part = group.subset(ids == lora_id)
+                self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out)
         return out
+
+    def _run(self, fwd: K3Forward, group: StepGroup, input_ids: torch.Tensor, positions: torch.Tensor,
+             metadata: dict[str, Any], out: torch.Tensor) -> None:
+        """One group's rows through `fwd`, reading and writing their caches; fills their rows of `out`."""
+        layers = list(self.cache_layers)
+        caches = [layer.read(metadata[layer.prefix], group) if isinstance(layer, KDAStateLayer)
+                  else layer.view(metadata[layer.prefix], group) for layer in layers]
+        hidden = fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches)
+        for layer, cache in zip(layers, caches):
+            if isinstance(cache, KDACache):
+                layer.write(metadata[layer.prefix], group, cache)
+        out[group.token_index[group.valid]] = hidden[group.valid]
+
+    def zerokl_load_adapter(self, lora_request: Any) -> None:
+        """Called by vLLM's worker adapter loader before its own (`rollout.vllm_compat`): read and validate
+        the adapter with zerokl's reader; an `AdapterError` here fails the load with its message."""
+        registered = set(self.lora_manager.list_adapters()) if self.lora_manager is not None else set()
+        self.adapters.load(lora_request.lora_int_id, lora_request.lora_path, registered)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head on the parity kernels: [M, D] -> [M, V] fp32."""

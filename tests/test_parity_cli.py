@@ -86,3 +86,21 @@ def test_cli_user_errors(tmp_path: Path) -> None:
     exe = str(Path(sys.executable).with_name("zerokl"))
     res = subprocess.run([exe, "parity", "check", "--model", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "not a checkpoint directory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_lora_check_is_bitwise(ckpt: Path, tmp_path: Path) -> None:
+    """The issue's acceptance command: both sides with a PEFT adapter (scale 3/8), 8 prompts x 16 tokens."""
+    exe = str(Path(sys.executable).with_name("zerokl"))
+    adapter = tmp_path / "adapter"
+    init = subprocess.run([exe, "lora", "init", "--model", str(ckpt), "--out", str(adapter), "--rank", "8",
+                           "--alpha", "3", "--seed", "7"], capture_output=True, text=True, timeout=120)
+    assert init.returncode == 0, init.stderr
+    res = subprocess.run([exe, "parity", "check", "--model", str(ckpt), "--lora", str(adapter), "--num-prompts", "8",
+                          "--max-tokens", "16", "--batch-mix", "both", "--json", str(tmp_path / "r.json")],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["bitwise_equal"] == data["tokens"] > 0
+    bad = subprocess.run([exe, "parity", "check", "--model", str(ckpt), "--lora", str(tmp_path / "nowhere")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no adapter_config.json" in bad.stderr and "Traceback" not in bad.stderr

@@ -65,10 +65,12 @@ def task_prompts(n: int, seed: int, tokenizer: Any) -> list[list[int]]:
 
 
 class Checker:
-    """A rollout engine and a trainer model on the same checkpoint, kept alive across checks."""
+    """A rollout engine and a trainer model on the same checkpoint (and LoRA adapter), kept alive across checks."""
 
-    def __init__(self, model: str | Path, kernels: str = "invariant", engine_args: dict[str, Any] | None = None):
-        from rollout.engine import RolloutEngine
+    def __init__(self, model: str | Path, kernels: str = "invariant", engine_args: dict[str, Any] | None = None,
+                 lora: str | Path | None = None):
+        from lora.adapter import load_adapter
+        from rollout.engine import RolloutEngine, lora_engine_args
         from tokenizers import Tokenizer
         from trainer.parallel import init_parallel
         from trainer.train import build_model
@@ -76,22 +78,29 @@ class Checker:
         self.path = Path(model)
         self.kernels = kernels
         self.cfg, self.tensors = load_checkpoint(self.path)
+        self.adapter = load_adapter(lora, self.cfg.text) if lora is not None else None
         self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
         self.par = init_parallel(1, 1)
-        self.trainer = build_model(self.cfg, self.tensors, self.par, kernels)
-        self.engine = RolloutEngine(self.path, kernels=kernels, **(engine_args or ENGINE_ARGS))
+        self.trainer = build_model(self.cfg, self.tensors, self.par, kernels, adapter=self.adapter)
+        args = dict(engine_args or ENGINE_ARGS)
+        if self.adapter is not None:
+            ranks = [self.adapter.spec.rank(m) for m in self.adapter.weights]
+            args.update(lora_engine_args(max(ranks)))
+        self.engine = RolloutEngine(self.path, kernels=kernels, **args)
+        self.lora_request = self.engine.load_adapter("adapter", lora) if lora is not None else None
 
     def rollout(self, prompts: list[list[int]], mix: str, max_tokens: int, temperature: float,
                 seed: int) -> list[Any]:
         """Samples in prompt order; `random` submits them shuffled in one call, `alone` one call each."""
         seeds = [seed * 1_000_003 + i for i in range(len(prompts))]
         if mix == "alone":
-            return [self.engine.generate([p], temperature=temperature, max_tokens=max_tokens, seed=[s])[0]
+            return [self.engine.generate([p], temperature=temperature, max_tokens=max_tokens, seed=[s],
+                                         lora=self.lora_request)[0]
                     for p, s in zip(prompts, seeds)]
         order = list(range(len(prompts)))
         random.Random(seed).shuffle(order)
         out = self.engine.generate([prompts[i] for i in order], temperature=temperature, max_tokens=max_tokens,
-                                   seed=[seeds[i] for i in order])
+                                   seed=[seeds[i] for i in order], lora=self.lora_request)
         back: list[Any] = [None] * len(prompts)
         for pos, i in enumerate(order):
             back[i] = out[pos]
@@ -133,8 +142,10 @@ class Checker:
 
     def diagnose(self, seq: SequenceLogprobs, rollout_weights: dict[str, torch.Tensor] | None) -> Divergence | None:
         kernels = get_kernels(self.kernels)
+        lora = self.adapter.lora() if self.adapter is not None else {}
         trainer_side = K3Forward(K3Weights.from_official(self.cfg.text, self.tensors), kernels)
         rollout_side = K3Forward(K3Weights.from_official(self.cfg.text, rollout_weights or self.tensors), kernels)
+        trainer_side.w.lora = rollout_side.w.lora = lora
         tokens = seq.prompt_token_ids + seq.token_ids
         return diagnose((rollout_side, "decode"), (trainer_side, "one_pass"), tokens, prefill=len(seq.prompt_token_ids))
 

@@ -34,12 +34,12 @@ def _run_diff(args: argparse.Namespace) -> int:
     return _emit(compare(a, b), args, a, b, f"parity diff {args.a} vs {args.b}", None)
 
 
-def _checker(args: argparse.Namespace):
+def _checker(args: argparse.Namespace, lora: str | None = None):
     from zerokl.parity_check import Checker
 
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: not a checkpoint directory (no config.json)")
-    return Checker(args.model, kernels=args.kernels)
+    return Checker(args.model, kernels=args.kernels, lora=lora)
 
 
 def _prompts(args: argparse.Namespace, checker) -> list[list[int]]:
@@ -51,7 +51,7 @@ def _prompts(args: argparse.Namespace, checker) -> list[list[int]]:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    checker = _checker(args)
+    checker = _checker(args, args.lora)
     try:
         res = checker.check(_prompts(args, checker), mix=args.batch_mix, max_tokens=args.max_tokens,
                             temperature=args.temperature, seed=args.seed, diagnose_failures=args.diagnose)
@@ -61,7 +61,8 @@ def _run_check(args: argparse.Namespace) -> int:
     if res.mix_mismatch:
         diagnosis = (diagnosis + "; " if diagnosis else "") + \
             f"{res.mix_mismatch} sequences differ between batched and alone rollouts"
-    title = f"parity check {args.model} (kernels {args.kernels}, batch mix {args.batch_mix})"
+    lora = f", LoRA {args.lora}" if args.lora else ""
+    title = f"parity check {args.model}{lora} (kernels {args.kernels}, batch mix {args.batch_mix})"
     rc = _emit(res.report, args, res.rollout, res.trainer, title, diagnosis)
     return rc if not res.mix_mismatch else 1
 
@@ -103,6 +104,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = psub.add_parser("check", help="rollout engine vs trainer: every sampled token's log-prob, bit for bit")
     _add_check_args(c, num_prompts=16, max_tokens=32)
     c.add_argument("--batch-mix", choices=("random", "alone", "both"), default="both")
+    c.add_argument("--lora", help="PEFT adapter directory: both sides run the model with this adapter")
     c.add_argument("--report", help="write an HTML report with the per-token plot here")
     c.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the first-divergence diagnosis on failure")
