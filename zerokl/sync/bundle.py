@@ -20,8 +20,11 @@ class SyncError(RuntimeError):
 
 
 def checksum(t: torch.Tensor) -> str:
-    """blake2b-128 of the tensor's bytes (contiguous, as stored), with its dtype and shape."""
-    data = t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    """blake2b-128 of the tensor's bytes (contiguous, as stored), with its dtype and shape.
+
+    Device-independent: a CUDA tensor is hashed from a CPU copy of its bytes, so the same values give the
+    same checksum on the trainer's GPU, the engine's GPU and the CPU."""
+    data = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{t.dtype}:{tuple(t.shape)}:".encode())
     h.update(data)

@@ -4,7 +4,8 @@
 - `Disk`: safetensors + a JSON manifest (version, kind, checksums) written to `DIR/v{version}` through a
   temporary directory and an atomic rename; `Disk.read` returns the bundle a receiver verifies.
 - `TorchDistributed`: broadcasts the manifest, then each tensor in name order, from a source rank over a
-  `torch.distributed` group (gloo on CPU, NCCL on GPU); every rank gets the same bundle.
+  `torch.distributed` group (gloo on CPU, NCCL on GPU: the sender's tensors and the receiver's `device`
+  are then CUDA devices); every rank gets the same bundle.
 Users plug their own transport by implementing `Transport.send`.
 """
 
@@ -96,14 +97,15 @@ class TorchDistributed:
         for name, _, _ in manifest[0]["meta"]:
             dist.broadcast(bundle.tensors[name].contiguous(), src=self.src, group=self.group)
 
-    def receive(self) -> WeightBundle:
+    def receive(self, device: torch.device | str | None = None) -> WeightBundle:
+        """The bundle `send` broadcast, its tensors allocated on `device` (default: the CPU); not yet verified."""
         box: list[dict | None] = [None]
         dist.broadcast_object_list(box, src=self.src, group=self.group)
         manifest = box[0]
         assert manifest is not None
         tensors = {}
         for name, shape, dtype in manifest["meta"]:
-            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")))
+            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
             dist.broadcast(t, src=self.src, group=self.group)
             tensors[name] = t
         return WeightBundle(manifest["version"], manifest["kind"], tensors, manifest["checksums"])
