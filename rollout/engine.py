@@ -79,13 +79,14 @@ class RolloutEngine:
         from vllm import LLM
 
         self.kernels = kernels
-        overrides = hf_overrides(kernels, load_model_config(checkpoint).model_type)
+        model_cfg = load_model_config(checkpoint)
+        overrides = hf_overrides(kernels, model_cfg.model_type)
         self.llm = LLM(model=str(checkpoint), dtype="float32", hf_overrides=overrides,
                        logprobs_mode="processed_logprobs", enforce_eager=True,
                        weight_transfer_config={"backend": WEIGHT_BACKEND}, **engine_args)
         self.llm.llm_engine.set_weight_version("0")
         self._lora_ids = 0
-        self.text_cfg = load_model_config(checkpoint).text
+        self.text_cfg = model_cfg.text
         self.policy_adapter: LoRARequest | None = None
         self._policy_name, self._policy_spec, self._policy_shapes = "", None, {}
         self._updates = Path(tempfile.mkdtemp(prefix="zerokl-weights-"))

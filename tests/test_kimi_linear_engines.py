@@ -42,15 +42,6 @@ TINY = REPO / "configs" / "kimi-linear-tiny.yaml"
 A_LOG = "model.layers.0.self_attn.A_log"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        mp.setenv("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TOKENIZERS_PARALLELISM", "false")
-        yield
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:

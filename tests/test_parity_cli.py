@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,15 +23,6 @@ from zerokl.parity_check import Checker, selftest, task_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        mp.setenv("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TOKENIZERS_PARALLELISM", "false")
-        yield
 
 
 @pytest.fixture(scope="module")

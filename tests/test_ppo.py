@@ -31,15 +31,6 @@ TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        mp.setenv("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TOKENIZERS_PARALLELISM", "false")
-        yield
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PPORun, list[dict], Path]]:

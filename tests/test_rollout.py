@@ -14,11 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +30,8 @@ from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
 from rollout import serve
 from zerokl.checkpoint import init_checkpoint, load_checkpoint
 
+from helpers import free_port, running_server
+
 TEMPERATURE = 0.9
 MAX_TOKENS = 8
 N = 2
@@ -42,15 +39,6 @@ N = 2
 ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 16, "enable_prefix_caching": True, "prefix_match_unit": 16}
 BLOCK = 128
 
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env() -> Iterator[None]:
-    root = Path(__file__).resolve().parents[1] / ".cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        mp.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -234,12 +222,6 @@ def test_serve_command_line(tmp_path: Path) -> None:
     assert json.loads(argv[argv.index("--hf-overrides") + 1])["zerokl_kernels"] == "fast"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
@@ -248,22 +230,9 @@ def _post(url: str, body: dict) -> dict:
 
 def test_openai_server_matches_offline_engine(checkpoint: Path, reference: list[list[Sample]],
                                               tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     argv = serve.serve_argv(checkpoint, port=port, vllm_args=["--max-model-len", "1024", "--max-num-seqs", "16"])
-    log = tmp_path / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not start in 240 s"
-                time.sleep(1)
+    with running_server(argv, port, tmp_path / "server.log") as base:
         jobs = [(i, j) for i in (0, 5, 9, LONG[0]) for j in range(N)]
 
         def complete(job: tuple[int, int]) -> dict:
@@ -279,10 +248,3 @@ def test_openai_server_matches_offline_engine(checkpoint: Path, reference: list[
             tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
             got = Sample(PROMPTS[i], tokens, torch.tensor(lp["token_logprobs"], dtype=torch.float32), 0, 0)
             _assert_same(got, reference[i][j], f"server, prompt {i}, sample {j}")
-    finally:
-        os.kill(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -36,21 +32,14 @@ from zerokl.checkpoint import init_checkpoint, load_checkpoint
 from zerokl.cli import main
 from zerokl.sync.bundle import SyncError, WeightBundle
 
+from helpers import free_port, running_server
+
 TEMPERATURE = 0.8
 MAX_TOKENS = 6
 ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.5,
                "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 ALPHAS = {"a1": 16.0, "a2": 3.0, "a3": 8.0}  # rank 8: scales 2, 0.375, 1
 
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env() -> Iterator[None]:
-    root = Path(__file__).resolve().parents[1] / ".cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        mp.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +154,6 @@ def test_lora_arguments_are_checked(engine: RolloutEngine) -> None:
 
 # --- hot-swap into a live server ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lora_root(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The server's adapter directory: copies of a1 and a2, and a1 with one tensor of the wrong shape."""
@@ -192,32 +175,12 @@ def _break_shape(src: Path, dest: Path) -> str:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, lora_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "zerokl.cli", "serve", "--checkpoint", str(checkpoint), "--port", str(port),
             "--lora-root", str(lora_root), "--max-loras", "2", "--max-lora-rank", "8", "--",
             "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.5"]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, f"server exited:\n{log.read_text()[-3000:]}"
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not start in 240 s"
-                time.sleep(1)
+    with running_server(argv, port, tmp_path_factory.mktemp("server") / "server.log") as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _complete(base: str, model: str, prompt: list[int], seed: int) -> tuple[list[int], torch.Tensor]:

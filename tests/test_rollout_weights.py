@@ -23,15 +23,6 @@ from zerokl.sync.bundle import SyncError, WeightBundle
 PROMPTS = [list(range(5, 40)), [(7 * i) % 1000 + 4 for i in range(200)]]  # the second spans a 128-token block
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env() -> Iterator[None]:
-    root = Path(__file__).resolve().parents[1] / ".cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        mp.setenv("VLLM_CACHE_ROOT", str(root / "vllm"))
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
