@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel
 
+from lora.adapter import Adapter
 from parity.config import ModelConfig
 from trainer.deepspeed_clip import clip_grads, grad_norm_order
 from trainer.deepspeed_io import load_official
@@ -112,14 +113,15 @@ def deepspeed_config(zero_stage: int, persistence_threshold: int) -> dict[str, A
 
 
 def build_deepspeed_trainer(checkpoint: str | Path, lr: float, zero_stage: int = 3, kernels: str = "invariant",
-                            lora: LoraConfig | str | Path | None = None, clip_grad: float = 1.0,
+                            lora: LoraConfig | Adapter | str | Path | None = None, clip_grad: float = 1.0,
                             weight_decay: float = 0.0, seed: int = 0,
                             persistence_threshold: int = 100_000) -> DeepSpeedTrainer:
-    """Load `checkpoint` (official format) into a `K3Module`, optionally put PEFT LoRA on it (only the adapter
-    trains), and initialise DeepSpeed ZeRO `zero_stage` with torch AdamW (`lr`, Megatron's betas/eps,
-    `weight_decay`); `clip_grad` is Megatron's max grad norm (0: no clipping). ZeRO-3 keeps parameters of fewer
-    than `persistence_threshold` elements whole on every rank (DeepSpeed's default; 0 partitions every one).
-    `seed` fixes PEFT's initialisation of a new adapter. Collective over the process group."""
+    """Load `checkpoint` (official format) into a `K3Module`, optionally put PEFT LoRA on it (`lora`: a `LoraConfig`,
+    a `lora.adapter.Adapter` or an adapter directory; only the adapter trains), and initialise DeepSpeed ZeRO
+    `zero_stage` with torch AdamW (`lr`, Megatron's betas/eps, `weight_decay`); `clip_grad` is Megatron's max grad
+    norm (0: no clipping). ZeRO-3 keeps parameters of fewer than `persistence_threshold` elements whole on every rank
+    (DeepSpeed's default; 0 partitions every one). `seed` fixes PEFT's initialisation of a new adapter. Collective
+    over the process group."""
     owns = init_dist()
     import deepspeed
 

@@ -39,13 +39,17 @@ def lora_spec(config: LoraConfig) -> LoraSpec:
     return LoraSpec.from_peft(raw)
 
 
-def attach_lora(module: K3Module, lora: LoraConfig | str | Path, seed: int = 0) -> PeftModel:
+def attach_lora(module: K3Module, lora: LoraConfig | Adapter | str | Path, seed: int = 0) -> PeftModel:
     """`get_peft_model(module, ...)` with a `LoraConfig` (PEFT's initialisation: A kaiming-uniform drawn under
-    `seed`, the same on every rank; B = 0) or an adapter directory (its config, and its tensors after
-    `lora.adapter.load_adapter` validated them). Freezes every base parameter. The PEFT config is made task-less,
-    so the PeftModel passes `(input_ids, lens, temperature)` straight to `K3Module.forward`."""
+    `seed`, the same on every rank; B = 0), a `lora.adapter.Adapter` (its spec as PEFT config, its tensors) or an
+    adapter directory (its config, and its tensors after `lora.adapter.load_adapter` validated them). Freezes every
+    base parameter. The PEFT config is made task-less, so the PeftModel passes `(input_ids, lens, temperature)`
+    straight to `K3Module.forward`."""
     adapter: Adapter | None = None
-    if not isinstance(lora, LoraConfig):
+    if isinstance(lora, Adapter):
+        adapter = validate(lora, module.cfg)
+        lora = LoraConfig(**adapter.spec.to_peft())
+    elif not isinstance(lora, LoraConfig):
         adapter = load_adapter(lora, module.cfg)
         lora = LoraConfig.from_pretrained(str(lora))
     lora_spec(lora)

@@ -1,5 +1,6 @@
 """`zerokl parity check` and `selftest`: sample with the real vLLM rollout engine, score the same token ids
-with the real Megatron trainer forward, compare every sampled token's log-prob bit for bit.
+with a real trainer's forward (the Megatron or the DeepSpeed ZeRO backend, `trainer.backend`), compare every
+sampled token's log-prob bit for bit.
 
 Batch mixes: `random` (all prompts in one engine call, shuffled), `alone` (one prompt per call), `both`
 (both, and the two rollouts must also agree with each other). On a mismatch the first mismatching
@@ -68,20 +69,19 @@ class Checker:
     """A rollout engine and a trainer model on the same checkpoint (and LoRA adapter), kept alive across checks."""
 
     def __init__(self, model: str | Path, kernels: str = "invariant", engine_args: dict[str, Any] | None = None,
-                 lora: str | Path | None = None):
+                 lora: str | Path | None = None, backend: str = "megatron", zero_stage: int = 3):
+        """`backend` / `zero_stage`: the trainer (`trainer.backend.build_backend`), in this one process."""
         from lora.adapter import load_adapter
         from rollout.engine import RolloutEngine, lora_engine_args
         from tokenizers import Tokenizer
-        from trainer.parallel import init_parallel
-        from trainer.train import build_model
+        from trainer.backend import build_backend
 
         self.path = Path(model)
         self.kernels = kernels
         self.cfg, self.tensors = load_checkpoint(self.path)
         self.adapter = load_adapter(lora, self.cfg.text) if lora is not None else None
         self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
-        self.par = init_parallel(1, 1)
-        self.trainer = build_model(self.cfg, self.tensors, self.par, kernels, adapter=self.adapter)
+        self.backend = build_backend(backend, self.path, kernels=kernels, adapter=self.adapter, zero_stage=zero_stage)
         args = dict(engine_args or ENGINE_ARGS)
         if self.adapter is not None:
             ranks = [self.adapter.spec.rank(m) for m in self.adapter.weights]
@@ -108,11 +108,10 @@ class Checker:
 
     def score(self, samples: list[Any], temperature: float) -> list[torch.Tensor]:
         """The trainer's log-probs of each sample's completion tokens (one padded forward, no grad)."""
-        from trainer.logprobs import PaddedBatch, token_logprobs
+        from trainer.logprobs import PaddedBatch
 
-        batch = PaddedBatch.from_sequences([s.prompt_ids + s.completion_ids for s in samples])
-        with torch.no_grad():
-            lp = token_logprobs(self.trainer, batch, temperature)
+        lp = self.backend.logprobs(PaddedBatch.from_sequences([s.prompt_ids + s.completion_ids for s in samples]),
+                                   temperature)
         return [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.completion_ids)]
                 for i, s in enumerate(samples)]
 
@@ -150,10 +149,8 @@ class Checker:
         return diagnose((rollout_side, "decode"), (trainer_side, "one_pass"), tokens, prefill=len(seq.prompt_token_ids))
 
     def close(self) -> None:
-        from trainer.parallel import destroy_parallel
-
         self.engine.close()
-        destroy_parallel(self.par)
+        self.backend.close()
 
 
 def expected_block(cfg: ModelConfig, name: str) -> str:

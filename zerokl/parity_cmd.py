@@ -1,6 +1,7 @@
 """`zerokl parity ...`: compare log-probs and say where they diverge.
 
-- `check`: sample with the vLLM rollout engine, score the same tokens with the Megatron trainer, compare.
+- `check`: sample with the vLLM rollout engine, score the same tokens with the trainer (`--backend megatron`, the
+  default, or `deepspeed` at `--zero-stage 2|3`, one process), compare.
 - `selftest`: one-ulp weight perturbations on the rollout side only must be detected and localised.
 - `diff A.jsonl B.jsonl`: compare two dumps from any source (A is the rollout / behaviour side).
 Exit code: 0 only when every compared log-prob is bitwise equal (selftest: every trial detected and
@@ -39,7 +40,7 @@ def _checker(args: argparse.Namespace, lora: str | None = None):
 
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: not a checkpoint directory (no config.json)")
-    return Checker(args.model, kernels=args.kernels, lora=lora)
+    return Checker(args.model, kernels=args.kernels, lora=lora, backend=args.backend, zero_stage=args.zero_stage)
 
 
 def _prompts(args: argparse.Namespace, checker) -> list[list[int]]:
@@ -62,7 +63,8 @@ def _run_check(args: argparse.Namespace) -> int:
         diagnosis = (diagnosis + "; " if diagnosis else "") + \
             f"{res.mix_mismatch} sequences differ between batched and alone rollouts"
     lora = f", LoRA {args.lora}" if args.lora else ""
-    title = f"parity check {args.model}{lora} (kernels {args.kernels}, batch mix {args.batch_mix})"
+    trainer = f"trainer deepspeed ZeRO-{args.zero_stage}, " if args.backend == "deepspeed" else ""
+    title = f"parity check {args.model}{lora} ({trainer}kernels {args.kernels}, batch mix {args.batch_mix})"
     rc = _emit(res.report, args, res.rollout, res.trainer, title, diagnosis)
     return rc if not res.mix_mismatch else 1
 
@@ -95,6 +97,8 @@ def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: in
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", choices=("invariant", "fast"), default="invariant",
                    help="fast: both sides on plain torch ops (the mismatch zerokl removes)")
+    p.add_argument("--backend", choices=("megatron", "deepspeed"), default="megatron", help="the trainer that scores")
+    p.add_argument("--zero-stage", type=int, choices=(2, 3), default=3, help="DeepSpeed ZeRO stage")
     p.add_argument("--json", help="write the results here")
 
 

@@ -1,19 +1,27 @@
-"""`zerokl ppo --config C [--steps N] [--out DIR] [--resume DIR] [--kernels K] [--on-mismatch M] [--wandb W]`.
+"""`zerokl ppo --config C [--steps N] [--out DIR] [--resume DIR] [--kernels K] [--on-mismatch M] [--wandb W]
+[--backend megatron|deepspeed] [--zero-stage 2|3] [--nproc-per-node N]`.
 
 Writes `OUT/metrics.jsonl` (one line per step, keys `METRIC_KEYS` plus loss/grad_norm/sync figures),
 checkpoints under `OUT/checkpoints/step-N`, wandb files under `OUT/wandb` (offline unless `--wandb online`),
 and `OUT/diagnosis.txt` when parity breaks. Exit code: 0 when every step had KL exactly 0, 1 when a step
 broke parity (after the diagnosis), 2 for user errors.
+
+`--nproc-per-node N` (N > 1, DeepSpeed only) starts N processes of this command (`zerokl.launch`; the run's
+starting checkpoint is created first); under any torchrun-style launcher the command runs as one rank of it. Rank 0
+owns the rollout engine and writes the metrics, wandb and console output; checkpoints are written collectively.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from parity.config import ConfigError
 from zerokl.ppo.config import PPOConfig, load_ppo_config
 
 
@@ -39,15 +47,18 @@ def run(args: argparse.Namespace) -> int:
     from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed
 
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
-                          wandb=args.wandb)
+                          wandb=args.wandb, backend=args.backend, zero_stage=args.zero_stage)
     out = Path(args.out)
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(cfg, out, args.nproc_per_node)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    log = (lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None)  # noqa: E731
     run_ = PPORun(cfg, out, Path(args.resume) if args.resume else None, log=log)
-    wb = _wandb_run(cfg, out)
+    wb = _wandb_run(cfg, out) if rank0 else None
     metrics_path = out / "metrics.jsonl"
-    if run_.step == 0:
+    if rank0 and run_.step == 0:
         metrics_path.write_text("")
-    else:  # keep the lines up to the resumed step, so the file matches an uninterrupted run
+    elif rank0:  # keep the lines up to the resumed step, so the file matches an uninterrupted run
         kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] < run_.step] \
             if metrics_path.exists() else []
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
@@ -61,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
                 log(f"STOPPED at step {run_.step}: {e}")
                 return 1
             m = result.metrics
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(m) + "\n")
+            if rank0:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
             if wb is not None:
                 wb.log(m, step=int(m["step"]))
             log(_console(int(m["step"]) + (0 if result.diagnosis else 1), cfg.steps, m, time.perf_counter() - t0))
@@ -81,8 +93,28 @@ def run(args: argparse.Namespace) -> int:
         run_.close()
 
 
+def _launch(cfg: PPOConfig, out: Path, nproc: int) -> int:
+    """This command on `nproc` processes (DeepSpeed), after creating the run's starting checkpoint once."""
+    from zerokl.launch import launch
+    from zerokl.ppo.loop import base_checkpoint
+
+    if cfg.backend != "deepspeed":
+        raise ConfigError(f"--nproc-per-node {nproc}: the {cfg.backend} backend runs in one process; "
+                          "use --backend deepspeed for several")
+    base_checkpoint(cfg, out)
+    return launch(sys.argv[1:], nproc)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ppo", help="PPO with the zero-KL check every step (vLLM rollouts, Megatron trainer)")
+    p = sub.add_parser("ppo", help="PPO with the zero-KL check every step (vLLM rollouts, Megatron or DeepSpeed "
+                                   "trainer)")
     p.add_argument("--config", required=True, help="PPO run config (YAML), e.g. configs/ppo-tiny.yaml")
     p.add_argument("--steps", type=int, help="override the config's number of steps")
     p.add_argument("--out", default="out/ppo", help="run directory (metrics.jsonl, checkpoints, wandb)")
@@ -91,5 +123,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(the non-invariant baseline: expect the zero-KL check to fail)")
     p.add_argument("--on-mismatch", choices=("stop", "warn"), help="warn: keep training and record the drift")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default offline)")
+    p.add_argument("--backend", choices=("megatron", "deepspeed"), help="trainer backend (default: the config's, "
+                   "megatron)")
+    p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")
+    p.add_argument("--nproc-per-node", type=_positive, default=1, help="processes (DeepSpeed: ZeRO partitions "
+                   "over them, every rank trains on the whole batch); N > 1 starts N copies of this command")
     p.set_defaults(func=run)
 

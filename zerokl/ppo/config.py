@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from parity.config import ConfigError
+from trainer.backend import BACKENDS, ZERO_STAGES
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class PPOConfig:
     sync: str = "in_process"
     checkpoint_every: int = 25
     wandb: str = "offline"
+    backend: str = "megatron"  # trainer backend (trainer.backend): megatron (one process) or deepspeed
+    zero_stage: int = 3  # DeepSpeed ZeRO stage, 2 or 3
 
     def __post_init__(self) -> None:
         _choice("advantage", self.advantage, ("grpo", "gae"))
@@ -43,6 +46,10 @@ class PPOConfig:
         _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
         _choice("sync", self.sync, ("in_process", "disk"))
         _choice("wandb", self.wandb, ("offline", "online", "disabled"))
+        _choice("backend", self.backend, BACKENDS)
+        if self.zero_stage not in ZERO_STAGES:
+            raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
+                              f"got {self.zero_stage!r}")
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")

@@ -1,23 +1,30 @@
-"""`zerokl ppo`: rollouts from the vLLM engine, the zero-KL check, a PPO step on the Megatron trainer,
-weight sync back into the engine, every step.
+"""`zerokl ppo`: rollouts from the vLLM engine, the zero-KL check, a PPO step on the trainer backend (Megatron or
+DeepSpeed ZeRO, `trainer.backend`), weight sync back into the engine, every step.
 
 Per step: sample prompts from the task -> `RolloutEngine.generate` (n samples each, temperature sampling,
 log-probs of the sampled tokens, tagged with the policy version) -> rule-based rewards -> GRPO advantages
 -> one differentiable trainer forward over prompt + completion. Before any update, the trainer's log-probs
 of the sampled tokens must equal the rollout log-probs bit for bit (KL = 0, every ratio exactly 1);
 otherwise the run stops with a first-divergence diagnosis (or only reports it with `on_mismatch: warn`).
-Then the clipped surrogate step with Megatron's optimizer, and a versioned, checksummed weight sync.
+Then the clipped surrogate step with the backend's optimizer, and a versioned, checksummed weight sync.
 
 Everything the next step depends on (weights, optimizer state, RNG states, task cursor, policy version) is
 checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
+
+With the DeepSpeed backend on several processes (`zerokl ppo --nproc-per-node N`, or a torchrun-style launcher),
+rank 0 owns the rollout engine, the task and the rewards and broadcasts each step's samples; every rank runs the
+trainer step on the whole batch (ZeRO partitions the memory, the update keeps the Megatron backend's bits) and checks
+its own log-probs against the rollout's; exports gather onto rank 0, which syncs the engine.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,11 +33,11 @@ from typing import Any, Callable
 import torch
 
 from parity.checker import SequenceLogprobs, compare
+from parity.config import ConfigError
 from parity.diagnose import diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
-from parity.weights import text_specs
-from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from zerokl.checkpoint import init_checkpoint
 from zerokl.ppo.algo import grpo_advantages, ppo_loss
 from zerokl.ppo.config import PPOConfig
 from zerokl.sync.bundle import SyncError, WeightBundle
@@ -57,6 +64,15 @@ class StaleRollout(RuntimeError):
 class StepResult:
     metrics: dict[str, float]
     diagnosis: str | None
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One sample as the trainer needs it: plain data, what rank 0 broadcasts."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: torch.Tensor  # [len(completion_ids)] fp32, the engine's
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -91,20 +107,27 @@ class PPORun:
                  log: Callable[[str], None] = print, engine_args: dict[str, Any] | None = None):
         from rollout.engine import RolloutEngine
         from tokenizers import Tokenizer
-        from trainer.parallel import init_parallel
-        from trainer.train import build_trainer
+        from trainer.backend import build_backend
 
+        if resume is not None:
+            check_resumable(resume, cfg)
         self.cfg, self.out, self.log = cfg, out, log
         out.mkdir(parents=True, exist_ok=True)
         self.task = make_task(cfg.task, **(cfg.task_args or {}))
-        base = self._base_checkpoint()
+        base = base_checkpoint(cfg, out)
         self.tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
         self.eos = load_checkpoint_config_eos(base)
-        self.par = init_parallel(1, 1)
-        self.trainer = build_trainer(base, self.par, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels)
-        self.engine = RolloutEngine(base, kernels=cfg.kernels, **(engine_args or ENGINE_ARGS))
-        self.sync = WeightSync(EngineTransport(self.engine, out / "sync" if cfg.sync == "disk" else None),
-                               after_sync=[self._after_sync])
+        self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
+                                     zero_stage=cfg.zero_stage)
+        self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
+        self.engine: Any = None
+        self.sync: WeightSync | None = None
+        if self.rank0:
+            if self.backend.world_size > 1:  # a forked engine process would inherit the multi-rank process group
+                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+            self.engine = RolloutEngine(base, kernels=cfg.kernels, **(engine_args or ENGINE_ARGS))
+            self.sync = WeightSync(EngineTransport(self.engine, out / "sync" if cfg.sync == "disk" else None),
+                                   after_sync=[self._after_sync])
         self.rng = random.Random(cfg.seed)
         self.step = 0
         self.version = 0
@@ -113,67 +136,55 @@ class PPORun:
             self._load_state(resume)
 
     # --- setup / state ------------------------------------------------------------------------------
-    def _base_checkpoint(self) -> Path:
-        model = Path(self.cfg.model)
-        if model.is_dir():
-            return model
-        ckpt = self.out / "init-checkpoint"
-        if not (ckpt / "config.json").exists():
-            init_checkpoint(model, ckpt, seed=self.cfg.seed)
-        return ckpt
+    @property
+    def trainer(self) -> Any:
+        """The backend's own trainer (`trainer.train.Trainer` / `DeepSpeedTrainer`; `.module` is the model)."""
+        return self.backend.trainer
 
     def _after_sync(self, bundle: WeightBundle, result: SyncResult) -> None:
         self.last_sync = result
 
     def _export(self) -> dict[str, torch.Tensor]:
-        """The trainer's text weights as it computes with them (fp32, official names): what the engine runs."""
-        from trainer.checkpoint_io import export_official
-
-        text = self.trainer.module.config.k3.text
-        return {n: t for n, t in export_official(self.trainer.module, compute_dtype=True).items()
-                if n in text_specs(text)}
+        """The trainer's text weights as it computes with them (fp32, official names): what the engine runs.
+        Collective; {} off rank 0."""
+        return self.backend.export_weights()
 
     def save_state(self, path: Path) -> None:
-        """Weights (official names, fp32), optimizer state, RNG states, task cursor, step and version."""
+        """The trainer's state (`TrainerBackend.save_state`: weights.pt, optimizer), RNG states, task cursor, step,
+        version and process count, written into a sibling `.partial` directory that rank 0 renames into place.
+        Collective."""
         tmp = path.with_name(path.name + ".partial")
-        tmp.mkdir(parents=True, exist_ok=True)
-        from trainer.checkpoint_io import export_official
-
-        full = export_official(self.trainer.module, compute_dtype=True)
-        torch.save({n: t.clone() for n, t in full.items()}, tmp / "weights.pt")
-        torch.save(self.trainer.optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"step": self.step, "version": self.version, "task_rng": self.rng.getstate(),
-                 "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg)}
-        (tmp / "state.pkl").write_bytes(pickle.dumps(state))
-        if path.exists():
-            for f in path.iterdir():
-                f.unlink()
-            path.rmdir()
-        tmp.rename(path)
+        if self.rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.backend.save_state(tmp)
+        if self.rank0:
+            state = {"step": self.step, "version": self.version, "task_rng": self.rng.getstate(),
+                     "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
+                     "world_size": self.backend.world_size}
+            (tmp / "state.pkl").write_bytes(pickle.dumps(state))
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        self.backend.barrier()
 
     def _load_state(self, path: Path) -> None:
-        from trainer.checkpoint_io import load_official
-
-        if not (path / "state.pkl").is_file():
-            raise FileNotFoundError(f"{path} is not a zerokl ppo checkpoint (no state.pkl)")
         state = pickle.loads((path / "state.pkl").read_bytes())
-        load_official(self.trainer.module, torch.load(path / "weights.pt"))
-        self.trainer.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+        self.backend.load_state(path)
         self.rng.setstate(state["task_rng"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.version = state["step"], state["version"]
         if self.version:
-            self.sync(WeightBundle.make(self.version, self._export()))
+            weights = self._export()
+            if self.rank0:
+                self.sync(WeightBundle.make(self.version, weights))
         self.log(f"resumed from {path} at step {self.step}, policy version {self.version}")
 
     # --- one step -----------------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t != self.eos])
 
-    def run_step(self) -> StepResult:
-        from trainer.logprobs import PaddedBatch, token_logprobs
-        from trainer.train import train_step
-
+    def _rollout(self) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
+        """Rank 0: this step's prompts through the engine -> (samples, rewards, rollout seconds, the policy versions
+        of samples not drawn from the trainer's version)."""
         cfg = self.cfg
         problems = [self.task.sample(self.rng) for _ in range(cfg.prompts_per_step)]
         prompts = [self.tokenizer.encode(p.prompt).ids for p in problems]
@@ -182,10 +193,18 @@ class PPORun:
                                        max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, self.step))
         t_roll = time.perf_counter() - t0
         stale = [s.policy_version for s in samples if s.policy_version != self.version]
-        if stale:
-            raise StaleRollout(f"rollouts sampled with policy version {stale[0]}, trainer holds {self.version}")
         rewards = torch.tensor([self.task.reward(self._decode(s.completion_ids), problems[i // cfg.samples_per_prompt])
                                 for i, s in enumerate(samples)])
+        return [Rollout(s.prompt_ids, s.completion_ids, s.logprobs) for s in samples], rewards, t_roll, stale
+
+    def run_step(self) -> StepResult:
+        """One PPO step. Collective: every rank gets rank 0's samples and runs the same trainer step."""
+        from trainer.logprobs import PaddedBatch, token_logprobs
+
+        cfg = self.cfg
+        samples, rewards, t_roll, stale = self.backend.broadcast(self._rollout() if self.rank0 else None)
+        if stale:
+            raise StaleRollout(f"rollouts sampled with policy version {stale[0]}, trainer holds {self.version}")
         adv = grpo_advantages(rewards, cfg.samples_per_prompt, cfg.normalize_adv_std)
         seqs = [s.prompt_ids + s.completion_ids for s in samples]
         batch = PaddedBatch.from_sequences(seqs)
@@ -214,26 +233,33 @@ class PPORun:
 
         t1 = time.perf_counter()
         try:
-            loss, grad_norm = train_step(self.trainer, loss_fn)
+            loss, grad_norm = self.backend.train_step(loss_fn)
         except ParityViolation:
             return StepResult(self._metrics(report, rewards, samples, t_roll, None), self._diagnose(report, samples))
         t_train = time.perf_counter() - t1
         metrics = self._metrics(report, rewards, samples, t_roll, t_train)
         self._sync_new_version()
-        metrics.update(loss=loss, grad_norm=grad_norm, sync_seconds=self.last_sync.seconds,
-                       sync_bytes=self.last_sync.nbytes)
+        metrics.update(loss=loss, grad_norm=grad_norm)
+        if self.last_sync is not None:  # rank 0
+            metrics.update(sync_seconds=self.last_sync.seconds, sync_bytes=self.last_sync.nbytes)
         diagnosis = None if report["parity"].all_equal else self._diagnose(report, samples)
         self.step += 1
         return StepResult(metrics, diagnosis)
 
     def _sync_new_version(self) -> None:
-        """Push the updated weights as the next version; on rejection raise SyncFailed (engine unchanged)."""
+        """Push the updated weights as the next version; on rejection raise SyncFailed (engine unchanged).
+        Collective: every rank exports, rank 0 syncs and tells the others the outcome."""
         bundle = WeightBundle.make(self.version + 1, self._export())
-        try:
-            self.sync(bundle)
-        except SyncError as e:
-            raise SyncFailed(f"weight sync to version {bundle.version} failed ({e}); the rollout engine stays "
-                             f"on version {self.engine.policy_version}") from None
+        error = None
+        if self.rank0:
+            try:
+                self.sync(bundle)
+            except SyncError as e:
+                error = (f"weight sync to version {bundle.version} failed ({e}); the rollout engine stays "
+                         f"on version {self.engine.policy_version}")
+        error = self.backend.broadcast(error)
+        if error is not None:
+            raise SyncFailed(error)
         self.version = bundle.version
 
     def _metrics(self, report: dict[str, Any], rewards: torch.Tensor, samples: list[Any], t_roll: float,
@@ -249,26 +275,57 @@ class PPORun:
 
     def _diagnose(self, report: dict[str, Any], samples: list[Any]) -> str:
         """Re-run the first mismatching sequence through the shared forward: rollout schedule (prefill the
-        prompt, then decode) vs the trainer's one pass, capturing every block."""
+        prompt, then decode) vs the trainer's one pass, capturing every block. Collective: rank 0 diagnoses, every
+        rank returns its text."""
+        weights = self._export()
+        if not self.rank0:
+            return self.backend.broadcast(None)
         first = next(d for d in report["parity"].sequences if d.first_mismatch is not None)
         s = samples[int(first.id)]
-        cfg, _ = load_checkpoint(self.out / "init-checkpoint") if (self.out / "init-checkpoint").exists() \
-            else load_checkpoint(self.cfg.model)
-        weights = K3Weights.from_official(cfg.text, self._export())
-        fwd = K3Forward(weights, get_kernels(self.cfg.kernels))
+        fwd = K3Forward(K3Weights.from_official(self.backend.model_cfg.text, weights), get_kernels(self.cfg.kernels))
         div = diagnose((fwd, "decode"), (fwd, "one_pass"), s.prompt_ids + s.completion_ids, prefill=len(s.prompt_ids))
         where = div.describe() if div else "no block differs between schedules on the trainer's weights: " \
             "the engine's weights differ from the trainer's (check the last weight sync)"
         text = (f"sequence {first.id}: first log-prob mismatch at completion token {first.first_mismatch} "
                 f"(max |d| {first.max_abs_diff:.3e}); {where}")
         (self.out / "diagnosis.txt").write_text(text + "\n")
-        return text
+        return self.backend.broadcast(text)
 
     def close(self) -> None:
-        from trainer.parallel import destroy_parallel
+        if self.engine is not None:
+            self.engine.close()
+        self.backend.close()
 
-        self.engine.close()
-        destroy_parallel(self.par)
+
+def base_checkpoint(cfg: PPOConfig, out: Path) -> Path:
+    """The run's starting checkpoint: `cfg.model` when it is a checkpoint directory, else `out/init-checkpoint`,
+    created from the model config (seed `cfg.seed`) when missing. Under a multi-process launcher it must exist
+    already (`zerokl ppo --nproc-per-node N` creates it before starting the processes)."""
+    model = Path(cfg.model)
+    if model.is_dir():
+        return model
+    ckpt = out / "init-checkpoint"
+    if not (ckpt / "config.json").exists():
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(f"{ckpt} does not exist: on several processes start with `zerokl ppo --nproc-per-node N` "
+                              "(it creates the checkpoint first) or set `model` to a checkpoint directory")
+        init_checkpoint(model, ckpt, seed=cfg.seed)
+    return ckpt
+
+
+def check_resumable(path: Path, cfg: PPOConfig) -> None:
+    """Before anything starts: `path` is a `zerokl ppo` checkpoint written by the trainer this run uses, the same
+    backend and, for DeepSpeed (one state partition per rank), the same ZeRO stage and process count."""
+    if not (path / "state.pkl").is_file():
+        raise FileNotFoundError(f"{path} is not a zerokl ppo checkpoint (no state.pkl)")
+    state = pickle.loads((path / "state.pkl").read_bytes())
+    saved = state["config"]
+    was = (saved.get("backend", "megatron"), saved.get("zero_stage", 3), state.get("world_size", 1))
+    now = (cfg.backend, cfg.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
+    if was[0] != now[0] or (now[0] == "deepspeed" and was != now):
+        raise ConfigError(f"{path} was written by the {was[0]} backend (ZeRO-{was[1]}, {was[2]} processes); this run "
+                          f"is {now[0]} (ZeRO-{now[1]}, {now[2]} processes): resume with the same backend, ZeRO stage "
+                          "and process count")
 
 
 def load_checkpoint_config_eos(ckpt: Path) -> int:

@@ -1,0 +1,71 @@
+"""The invariant linear for the DeepSpeed trainer: `parity.kernels.linear.linear_invariant`'s bits, but autograd keeps
+the parameter, not a view of its ZeRO-3 gathered data.
+
+Autograd through `linear_invariant` saves `w.t().expand(...)` for the backward: a view of the weight's storage. Under
+ZeRO-3 that storage is the gathered copy, which DeepSpeed releases after the block's forward by swapping
+`param.data`; a saved view keeps the gathered copy alive until the backward, so a forward would hold every weight of
+the model at once (about ZeRO-2's peak). `TiledMatmul` saves the parameter object instead and reads `param.data` in
+its backward, after ZeRO-3 has gathered the block again for its backward (what DeepSpeed does for `nn.Linear`).
+
+Invariant: forward and backward have the bits of autograd through `linear_invariant`. The forward is
+`linear_invariant` itself; the backward runs the torch calls autograd runs for it (slice, pad, `bmm` against the
+same expanded weight, sum over tiles, transpose), so the gradients keep their bits
+(`tests/test_trainer_backend.py::test_zero3_linear_saves_parameters_with_autograd_bits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parity.kernels import Kernels
+from parity.kernels.linear import TILE_ROWS, LoRA, linear_invariant
+
+
+class TiledMatmul(torch.autograd.Function):
+    """x: [M, K] fp32, w: [N, K] fp32 -> x w^T [M, N] by `linear_invariant`; saves (x, w) themselves."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        with torch.no_grad():
+            return linear_invariant(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, w = ctx.saved_tensors
+        m, k = x.shape
+        n = w.shape[0]
+        if m == 0:
+            return (x.new_zeros(0, k) if ctx.needs_input_grad[0] else None), None
+        pad = (-m) % TILE_ROWS
+        tiles = (m + pad) // TILE_ROWS
+        g = F.pad(grad, (0, 0, 0, pad)).view(tiles, TILE_ROWS, n)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.bmm(g, w.t().expand(tiles, k, n).transpose(1, 2)).reshape(-1, k)[:m]
+        if ctx.needs_input_grad[1]:
+            x_tiles = F.pad(x, (0, 0, 0, pad)).view(tiles, TILE_ROWS, k)
+            gw = torch.bmm(x_tiles.transpose(1, 2), g).sum(0, keepdim=True).view(k, n).t()
+        return gx, gw
+
+
+def linear_saving_parameters(x: torch.Tensor, w: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
+    """`linear_invariant(x, w, lora)` (same composition, same bits) with every GEMM a `TiledMatmul`."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = TiledMatmul.apply(x2, w)
+    if lora is not None:
+        y = y + TiledMatmul.apply(TiledMatmul.apply(x2, lora.a), lora.b) * lora.scale
+    return y.reshape(*lead, w.shape[0])
+
+
+def saving_parameters(kernels: Kernels) -> Kernels:
+    """`kernels` with the invariant linear replaced by `linear_saving_parameters` (other backends unchanged: `F.linear`
+    already saves the parameter itself)."""
+    if kernels.linear is not linear_invariant:
+        return kernels
+    return dataclasses.replace(kernels, linear=linear_saving_parameters)

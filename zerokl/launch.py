@@ -1,0 +1,58 @@
+"""Run one `zerokl` command on N local processes with torchrun's environment (`zerokl ppo --nproc-per-node N`).
+
+Rank r runs `python -m zerokl.cli ARGV` with RANK = LOCAL_RANK = r, WORLD_SIZE = LOCAL_WORLD_SIZE = N, MASTER_ADDR =
+127.0.0.1, MASTER_PORT = a free port, and OMP_NUM_THREADS = cores / N unless it is set (the parity kernels' bits do
+not depend on the thread count). The processes share this one's terminal and process group.
+
+Invariant: the exit code is rank 0's when it fails, else the first failing rank's, else 0; once a rank has failed the
+others get a second to stop and are then killed, so none is left waiting in a collective. (torchrun would report any
+failure as 1; zerokl's codes, 0 parity held, 1 parity broken, 2 user error, are kept.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+POLL_S = 0.2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """This process's environment plus what `torch.distributed`'s env:// rendezvous and DeepSpeed read."""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
+    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": threads}
+
+
+def launch(argv: Sequence[str], nproc: int) -> int:
+    """Run `zerokl ARGV` on `nproc` ranks and wait for them (see the module docstring for the exit code)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "zerokl.cli", *argv], env=rank_env(rank, nproc, port))
+             for rank in range(nproc)]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                time.sleep(1.0)  # ranks stopping together (a parity break, a user error) all get to exit
+                codes = [p.poll() for p in procs]
+                return codes[0] if codes[0] not in (None, 0) else failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(POLL_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
