@@ -47,3 +47,11 @@ def random_adapter(cfg: TextConfig, rank: int, alpha: float | None = None, targe
         b = torch.randn(t.out_features, rank, generator=gen) * std
         weights[module] = (a, b)
     return validate(Adapter(spec, weights), cfg)
+
+
+def peft_default_adapter(cfg: TextConfig, rank: int, alpha: float | None = None, targets: list[str] | None = None,
+                         seed: int = 0) -> Adapter:
+    """PEFT's initialisation for training: A as in `random_adapter`, B = 0, so the adapted model starts
+    exactly at the base model (what `zerokl ppo --lora` trains from)."""
+    drawn = random_adapter(cfg, rank, alpha, targets, seed)
+    return Adapter(drawn.spec, {m: (a, torch.zeros_like(b)) for m, (a, b) in drawn.weights.items()})

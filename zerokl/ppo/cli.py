@@ -32,7 +32,16 @@ def _console(step: int, total: int, m: dict[str, float], seconds: float) -> str:
     return (f"[{bar}] step {step}/{total} reward {m['reward_mean']:.3f} kl {m['kl']:.1e} "
             f"eq {m['bitwise_equal_frac']:.3f} v{int(m['policy_version'])} "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s train {m['train_tokens_per_s']:.0f} tok/s "
-            f"({seconds:.1f}s)")
+            f"{_sync(m)}({seconds:.1f}s)")
+
+
+def _sync(m: dict[str, float]) -> str:
+    if "sync_seconds" not in m:
+        return ""
+    text = f"sync {m['sync_seconds'] * 1e3:.0f} ms {m['sync_bytes'] / 1e6:.2f} MB"
+    if "full_sync_seconds" in m:
+        text += f" (full weights {m['full_sync_seconds'] * 1e3:.0f} ms {m['full_sync_bytes'] / 1e6:.1f} MB)"
+    return text + " "
 
 
 def _wandb_run(cfg: PPOConfig, out: Path):
@@ -47,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed
 
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
-                          wandb=args.wandb, backend=args.backend, zero_stage=args.zero_stage)
+                          wandb=args.wandb, lora=args.lora or None, backend=args.backend,
+                          zero_stage=args.zero_stage)
     out = Path(args.out)
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(cfg, out, args.nproc_per_node)
@@ -122,6 +132,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kernels", choices=("invariant", "fast"), help="fast = plain torch ops on both sides "
                    "(the non-invariant baseline: expect the zero-KL check to fail)")
     p.add_argument("--on-mismatch", choices=("stop", "warn"), help="warn: keep training and record the drift")
+    p.add_argument("--lora", action="store_true", help="train only a LoRA adapter (config keys lora_rank, "
+                   "lora_alpha, lora_targets, lora_init) and sync only the adapter into the rollout engine")
     p.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default offline)")
     p.add_argument("--backend", choices=("megatron", "deepspeed"), help="trainer backend (default: the config's, "
                    "megatron)")

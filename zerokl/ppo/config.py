@@ -39,6 +39,11 @@ class PPOConfig:
     wandb: str = "offline"
     backend: str = "megatron"  # trainer backend (trainer.backend): megatron (one process) or deepspeed
     zero_stage: int = 3  # DeepSpeed ZeRO stage, 2 or 3
+    lora: bool = False  # train only a LoRA adapter (base frozen) and sync only the adapter
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: list[str] | None = None  # target_modules suffixes; None: every supported projection
+    lora_init: str | None = None  # start from this PEFT adapter directory instead of PEFT's init (B = 0)
 
     def __post_init__(self) -> None:
         _choice("advantage", self.advantage, ("grpo", "gae"))
@@ -50,7 +55,7 @@ class PPOConfig:
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
                               f"got {self.zero_stage!r}")
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every"):
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every", "lora_rank"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
         if self.samples_per_prompt < 2 and self.advantage == "grpo":

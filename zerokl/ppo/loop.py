@@ -15,6 +15,12 @@ With the DeepSpeed backend on several processes (`zerokl ppo --nproc-per-node N`
 rank 0 owns the rollout engine, the task and the rewards and broadcasts each step's samples; every rank runs the
 trainer step on the whole batch (ZeRO partitions the memory, the update keeps the Megatron backend's bits) and checks
 its own log-probs against the rollout's; exports gather onto rank 0, which syncs the engine.
+
+With `lora: true` (`--lora`) the trainer holds the frozen base plus a LoRA adapter (PEFT's init, B = 0, unless
+`lora_init` names one) and only the adapter trains; the engine runs the same adapter (`RolloutEngine`'s policy
+adapter) and each sync sends only the adapter's tensors (`WeightBundle(kind="adapter")`). Version 1 of a LoRA
+run is the base installed by one timed full-weight sync plus the initial adapter; that sync's time and size
+are reported with every step's adapter sync (`full_sync_seconds`, `full_sync_bytes`).
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ from typing import Any, Callable
 
 import torch
 
+from lora.adapter import Adapter
 from parity.checker import SequenceLogprobs, compare
 from parity.config import ConfigError
 from parity.diagnose import diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
+from parity.weights import text_specs
 from zerokl.checkpoint import init_checkpoint
 from zerokl.ppo.algo import grpo_advantages, ppo_loss
 from zerokl.ppo.config import PPOConfig
@@ -44,6 +52,7 @@ from zerokl.sync.bundle import SyncError, WeightBundle
 from zerokl.sync.transports import Disk, SyncResult, WeightSync
 from zerokl.tasks import make_task
 
+ADAPTER_DIR = "adapter"  # the trained adapter inside a LoRA run's checkpoint (PEFT directory)
 METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "policy_version",
                "rollout_tokens_per_s", "train_tokens_per_s")
 
@@ -105,7 +114,7 @@ class PPORun:
 
     def __init__(self, cfg: PPOConfig, out: Path, resume: Path | None = None,
                  log: Callable[[str], None] = print, engine_args: dict[str, Any] | None = None):
-        from rollout.engine import RolloutEngine
+        from rollout.engine import RolloutEngine, lora_engine_args
         from tokenizers import Tokenizer
         from trainer.backend import build_backend
 
@@ -117,23 +126,30 @@ class PPORun:
         base = base_checkpoint(cfg, out)
         self.tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
         self.eos = load_checkpoint_config_eos(base)
+        adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
-                                     zero_stage=cfg.zero_stage)
+                                     adapter=adapter, zero_stage=cfg.zero_stage)
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
         self.engine: Any = None
         self.sync: WeightSync | None = None
         if self.rank0:
             if self.backend.world_size > 1:  # a forked engine process would inherit the multi-rank process group
                 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-            self.engine = RolloutEngine(base, kernels=cfg.kernels, **(engine_args or ENGINE_ARGS))
+            args = dict(engine_args or ENGINE_ARGS)
+            if adapter is not None:
+                args.update(lora_engine_args(adapter_rank(adapter)))
+            self.engine = RolloutEngine(base, kernels=cfg.kernels, **args)
             self.sync = WeightSync(EngineTransport(self.engine, out / "sync" if cfg.sync == "disk" else None),
                                    after_sync=[self._after_sync])
         self.rng = random.Random(cfg.seed)
         self.step = 0
         self.version = 0
         self.last_sync: SyncResult | None = None
+        self.full_sync: SyncResult | None = None
         if resume is not None:
             self._load_state(resume)
+        if adapter is not None:
+            self._start_lora(adapter)
 
     # --- setup / state ------------------------------------------------------------------------------
     @property
@@ -144,15 +160,39 @@ class PPORun:
     def _after_sync(self, bundle: WeightBundle, result: SyncResult) -> None:
         self.last_sync = result
 
-    def _export(self) -> dict[str, torch.Tensor]:
+    def _start_lora(self, adapter: Adapter) -> None:
+        """Install the base with one full-weight sync (timed, for comparison) and the adapter as the engine's
+        policy adapter; a fresh run is then at version 1. Collective: every rank exports, rank 0 syncs."""
+        from lora.adapter import save_adapter
+
+        base = self._export_base()
+        self.version = max(self.version, 1)
+        if not self.rank0:
+            return
+        self.sync(WeightBundle.make(self.version, base))
+        self.full_sync = self.last_sync
+        directory = self.out / "adapter-start"
+        shutil.rmtree(directory, ignore_errors=True)
+        self.engine.set_policy_adapter("policy", save_adapter(adapter, directory))
+        self.log(f"LoRA: {len(adapter.weights)} adapted projections, rank {adapter_rank(adapter)}; full-weight "
+                 f"sync {self.full_sync.nbytes / 1e6:.1f} MB in {self.full_sync.seconds:.2f} s")
+
+    def _export_base(self) -> dict[str, torch.Tensor]:
         """The trainer's text weights as it computes with them (fp32, official names): what the engine runs.
         Collective; {} off rank 0."""
-        return self.backend.export_weights()
+        text = text_specs(self.backend.model_cfg.text)
+        return {n: t for n, t in self.backend.export_official().items() if n in text}
+
+    def _export(self) -> WeightBundle:
+        """What a sync sends: the full text weights, or with LoRA only the adapter's PEFT tensors."""
+        if not self.cfg.lora:
+            return WeightBundle.make(self.version + 1, self._export_base())
+        return WeightBundle.make(self.version + 1, self.backend.export_weights(), kind="adapter")
 
     def save_state(self, path: Path) -> None:
-        """The trainer's state (`TrainerBackend.save_state`: weights.pt, optimizer), RNG states, task cursor, step,
-        version and process count, written into a sibling `.partial` directory that rank 0 renames into place.
-        Collective."""
+        """The trainer's state (`TrainerBackend.save_state`: weights.pt or adapter/, optimizer), RNG states, task
+        cursor, step, version and process count, written into a sibling `.partial` directory that rank 0 renames
+        into place. Collective."""
         tmp = path.with_name(path.name + ".partial")
         if self.rank0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -172,8 +212,8 @@ class PPORun:
         self.rng.setstate(state["task_rng"])
         torch.set_rng_state(state["torch_rng"])
         self.step, self.version = state["step"], state["version"]
-        if self.version:
-            weights = self._export()
+        if self.version and not self.cfg.lora:
+            weights = self._export_base()
             if self.rank0:
                 self.sync(WeightBundle.make(self.version, weights))
         self.log(f"resumed from {path} at step {self.step}, policy version {self.version}")
@@ -190,7 +230,8 @@ class PPORun:
         prompts = [self.tokenizer.encode(p.prompt).ids for p in problems]
         t0 = time.perf_counter()
         samples = self.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
-                                       max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, self.step))
+                                       max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, self.step),
+                                       lora=self.engine.policy_adapter)
         t_roll = time.perf_counter() - t0
         stale = [s.policy_version for s in samples if s.policy_version != self.version]
         rewards = torch.tensor([self.task.reward(self._decode(s.completion_ids), problems[i // cfg.samples_per_prompt])
@@ -242,6 +283,8 @@ class PPORun:
         metrics.update(loss=loss, grad_norm=grad_norm)
         if self.last_sync is not None:  # rank 0
             metrics.update(sync_seconds=self.last_sync.seconds, sync_bytes=self.last_sync.nbytes)
+        if self.full_sync is not None:
+            metrics.update(full_sync_seconds=self.full_sync.seconds, full_sync_bytes=self.full_sync.nbytes)
         diagnosis = None if report["parity"].all_equal else self._diagnose(report, samples)
         self.step += 1
         return StepResult(metrics, diagnosis)
@@ -249,7 +292,7 @@ class PPORun:
     def _sync_new_version(self) -> None:
         """Push the updated weights as the next version; on rejection raise SyncFailed (engine unchanged).
         Collective: every rank exports, rank 0 syncs and tells the others the outcome."""
-        bundle = WeightBundle.make(self.version + 1, self._export())
+        bundle = self._export()
         error = None
         if self.rank0:
             try:
@@ -277,12 +320,16 @@ class PPORun:
         """Re-run the first mismatching sequence through the shared forward: rollout schedule (prefill the
         prompt, then decode) vs the trainer's one pass, capturing every block. Collective: rank 0 diagnoses, every
         rank returns its text."""
-        weights = self._export()
+        base = self._export_base()
+        adapter = self.backend.export_adapter() if self.cfg.lora else None
         if not self.rank0:
             return self.backend.broadcast(None)
         first = next(d for d in report["parity"].sequences if d.first_mismatch is not None)
         s = samples[int(first.id)]
-        fwd = K3Forward(K3Weights.from_official(self.backend.model_cfg.text, weights), get_kernels(self.cfg.kernels))
+        weights = K3Weights.from_official(self.backend.model_cfg.text, base)
+        if adapter is not None:
+            weights.lora = adapter.lora()
+        fwd = K3Forward(weights, get_kernels(self.cfg.kernels))
         div = diagnose((fwd, "decode"), (fwd, "one_pass"), s.prompt_ids + s.completion_ids, prefill=len(s.prompt_ids))
         where = div.describe() if div else "no block differs between schedules on the trainer's weights: " \
             "the engine's weights differ from the trainer's (check the last weight sync)"
@@ -326,6 +373,24 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
         raise ConfigError(f"{path} was written by the {was[0]} backend (ZeRO-{was[1]}, {was[2]} processes); this run "
                           f"is {now[0]} (ZeRO-{now[1]}, {now[2]} processes): resume with the same backend, ZeRO stage "
                           "and process count")
+
+
+def initial_adapter(cfg: PPOConfig, checkpoint: Path, resume: Path | None) -> Adapter:
+    """The adapter a LoRA run starts from: the resumed checkpoint's, `lora_init`, or PEFT's init (B = 0)."""
+    from lora.adapter import load_adapter
+    from lora.init import peft_default_adapter
+    from parity.config import load_model_config
+
+    text = load_model_config(checkpoint).text
+    if resume is not None:
+        return load_adapter(resume / ADAPTER_DIR, text)
+    if cfg.lora_init is not None:
+        return load_adapter(cfg.lora_init, text)
+    return peft_default_adapter(text, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, seed=cfg.seed)
+
+
+def adapter_rank(adapter: Adapter) -> int:
+    return max(adapter.spec.rank(m) for m in adapter.weights)
 
 
 def load_checkpoint_config_eos(ckpt: Path) -> int:
