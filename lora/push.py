@@ -123,7 +123,10 @@ def push(servers: Sequence[Server], name: str, adapter: str | Path,
     except PushError as e:
         for server, old in switched:
             if old is not None:
-                server.call("POST", SWITCH_ROUTE, {"name": name, "target": old})
+                try:
+                    server.call("POST", SWITCH_ROUTE, {"name": name, "target": old})
+                except PushError as back:
+                    log(f"warning: could not switch {name} back: {back}")
         _unload(done, loaded_name, log)
         raise PushError(f"{e}; switched {name} back on {len(switched)} server(s)") from None
     log(f"{name} -> {loaded_name} on {len(servers)} server(s)")
