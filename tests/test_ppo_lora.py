@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from parity.weights import text_specs
+from trainer.backend import ADAPTER_DIR
 from zerokl.checkpoint import load_checkpoint
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.loop import ADAPTER_DIR, PPORun
+from zerokl.ppo.loop import PPORun
 
 STEPS = 20
 RESUME_AT = 10

@@ -52,7 +52,6 @@ from zerokl.sync.bundle import SyncError, WeightBundle
 from zerokl.sync.transports import Disk, SyncResult, WeightSync
 from zerokl.tasks import make_task
 
-ADAPTER_DIR = "adapter"  # the trained adapter inside a LoRA run's checkpoint (PEFT directory)
 METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "policy_version",
                "rollout_tokens_per_s", "train_tokens_per_s")
 
@@ -380,6 +379,7 @@ def initial_adapter(cfg: PPOConfig, checkpoint: Path, resume: Path | None) -> Ad
     from lora.adapter import load_adapter
     from lora.init import peft_default_adapter
     from parity.config import load_model_config
+    from trainer.backend import ADAPTER_DIR
 
     text = load_model_config(checkpoint).text
     if resume is not None:
