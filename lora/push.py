@@ -25,9 +25,11 @@ from lora.adapter import load_adapter
 from lora.spec import AdapterError
 from parity.config import parse_model_config
 
-STATE_ROUTE = "/zerokl/v1/lora"  # rollout.lora_server's routes (not imported: the client needs no vLLM)
+STATE_ROUTE = "/zerokl/v1/lora"  # rollout.lora_server serves these two routes
 SWITCH_ROUTE = "/zerokl/v1/lora/switch"
-VERSION_SEP = "@v"
+LOAD_ROUTE = "/v1/load_lora_adapter"  # vLLM's runtime LoRA routes
+UNLOAD_ROUTE = "/v1/unload_lora_adapter"
+VERSION_SEP = "@v"  # `name@v3`: version 3 of adapter `name` (servers and the engine's policy adapter)
 
 
 class PushError(RuntimeError):
@@ -108,7 +110,7 @@ def push(servers: Sequence[Server], name: str, adapter: str | Path,
     done: list[Server] = []
     try:
         for server in servers:
-            server.call("POST", "/v1/load_lora_adapter", {"lora_name": loaded_name, "lora_path": str(path)})
+            server.call("POST", LOAD_ROUTE, {"lora_name": loaded_name, "lora_path": str(path)})
             done.append(server)
             log(f"{server.url}: loaded {loaded_name}")
     except PushError as e:
@@ -139,7 +141,7 @@ def push(servers: Sequence[Server], name: str, adapter: str | Path,
 def _unload(servers: Sequence[Server], loaded_name: str, log: Callable[[str], None]) -> None:
     for server in servers:
         try:
-            server.call("POST", "/v1/unload_lora_adapter", {"lora_name": loaded_name})
+            server.call("POST", UNLOAD_ROUTE, {"lora_name": loaded_name})
             log(f"{server.url}: unloaded {loaded_name}")
         except PushError as e:
             log(f"warning: {e}")

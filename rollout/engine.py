@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lora.push import VERSION_SEP
 from parity.config import load_model_config
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 from zerokl.sync.bundle import SyncError, WeightBundle
@@ -39,9 +40,8 @@ if TYPE_CHECKING:
 
 # Engine arguments the engine sets itself: parity depends on them.
 _FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "enforce_eager", "weight_transfer_config")
-_GREEDY_EPS = 1e-5
-POLICY_VERSION_SEP = "@v"
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks  # the policy adapter's version v is loaded as `name@v<v>`  # vLLM's sampler treats temperature below this as greedy (`_SAMPLING_EPS`)
+_GREEDY_EPS = 1e-5  # vLLM's sampler treats temperature below this as greedy (`_SAMPLING_EPS`)
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 
 
 class RolloutError(ValueError):
@@ -150,7 +150,7 @@ class RolloutEngine:
         from lora.adapter import load_adapter
 
         adapter = load_adapter(path, self.text_cfg)
-        request = self.load_adapter(f"{name}{POLICY_VERSION_SEP}{self.policy_version}", path)
+        request = self.load_adapter(f"{name}{VERSION_SEP}{self.policy_version}", path)
         if self.policy_adapter is not None:
             self.remove_adapter(self.policy_adapter)
         self.policy_adapter, self._policy_name, self._policy_spec = request, name, adapter.spec
@@ -192,7 +192,7 @@ class RolloutEngine:
         directory = self._updates / f"adapter-v{bundle.version:08d}"
         try:
             save_adapter(Adapter(self._policy_spec, pair_tensors(bundle.tensors, "adapter update")), directory)
-            request = self.load_adapter(f"{self._policy_name}{POLICY_VERSION_SEP}{bundle.version}", directory)
+            request = self.load_adapter(f"{self._policy_name}{VERSION_SEP}{bundle.version}", directory)
         except (ValueError, RolloutError) as e:
             shutil.rmtree(directory, ignore_errors=True)
             raise SyncError(f"adapter update {bundle.version} rejected: {e}") from None

@@ -28,11 +28,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from lora.push import LOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE, VERSION_SEP
+
 LORA_ROOT_ENV = "ZEROKL_LORA_ROOT"
-STATE_ROUTE = "/zerokl/v1/lora"
-SWITCH_ROUTE = "/zerokl/v1/lora/switch"
-LOAD_ROUTE = "/v1/load_lora_adapter"
-VERSION_SEP = "@v"  # `name@v3`: version 3 of adapter `name`
 
 
 def _error(message: str, status: HTTPStatus) -> JSONResponse:
