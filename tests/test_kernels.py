@@ -3,6 +3,13 @@ references (tolerances), and negative controls showing the same properties fail 
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -87,6 +94,19 @@ def test_linear_thread_count_invariant() -> None:
     finally:
         torch.set_num_threads(before)
     assert_bits(one, two)
+
+
+def test_linear_row_at_every_tile_position() -> None:
+    """A row alone (tile position 0) equals the same row at each of the 16 positions of a full tile,
+    beside random rows: the one property of the tiled GEMM that rests on the BLAS micro-kernel."""
+    torch.manual_seed(1)
+    from parity.kernels.linear import TILE_ROWS
+
+    for k, n in ((24, 8), (96, 200), (384, 384), (1024, 64)):
+        w, row = torch.randn(n, k), torch.randn(k)
+        alone = INVARIANT.linear(row.unsqueeze(0), w)[0]
+        for pos in range(TILE_ROWS):
+            assert_bits(alone, INVARIANT.linear(_embed_row(row, TILE_ROWS, pos, k + pos), w)[pos])
 
 
 def test_linear_lora_row_invariant() -> None:
@@ -353,3 +373,49 @@ def test_unknown_backend_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="unknown kernel backend 'auto'"):
         get_kernels("auto")
+
+
+def test_host_check_holds_here_and_catches_a_plain_gemm(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`zerokl parity kernels` passes on this host, and fails (exit 1, the check named) once the tiled GEMM
+    is swapped for plain `F.linear`."""
+    from parity import host_check
+    from parity.kernels.linear import linear_fast
+    from zerokl.cli import main
+
+    assert main(["parity", "kernels"]) == 0
+    assert "4/4 host-dependent invariances hold" in capsys.readouterr().out
+    monkeypatch.setattr(host_check, "linear_invariant", linear_fast)
+    assert main(["parity", "kernels"]) == 1
+    assert "FAIL linear: a row's bits at every position" in capsys.readouterr().out
+
+# --- the same properties on the CPU's other kernel paths ------------------------------------------
+
+# (name, environment, the ATen capability the path needs). ATen picks its element-wise SIMD kernels by
+# ATEN_CPU_CAPABILITY; MKL picks its GEMM kernels by MKL_ENABLE_INSTRUCTIONS on Intel CPUs (on AMD it takes
+# one path whatever that says) and by MKL_CBWR=COMPATIBLE everywhere (its SSE2-level path). Both are read
+# when the libraries load, so each path runs in a child process.
+ISA_PATHS = [
+    ("baseline", {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}, "DEFAULT"),
+    ("avx2", {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}, "AVX2"),
+    ("avx512", {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512"}, "AVX512"),
+]
+_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+CHILD = os.environ.get("ZEROKL_ISA_PATH")
+
+
+@pytest.mark.skipif(CHILD is not None or platform.machine() not in ("x86_64", "AMD64"),
+                    reason="x86-64 parent run only")
+@pytest.mark.parametrize("name,env,needs", ISA_PATHS, ids=[p[0] for p in ISA_PATHS])
+def test_invariance_on_other_cpu_kernel_paths(name: str, env: dict[str, str], needs: str) -> None:
+    """Every invariance property above (negative controls aside: whether plain torch breaks a property
+    depends on the path) on the ATen / MKL kernel path `name`, where this CPU has it; the child first checks
+    that ATen really took the path."""
+    host = torch.backends.cpu.get_cpu_capability()
+    if _RANK.get(host, 0) < _RANK[needs]:
+        pytest.skip(f"this CPU's best ATen path is {host}")
+    code = (f"import sys, torch, pytest; got = torch.backends.cpu.get_cpu_capability(); "
+            f"sys.exit(f'ATen ran {{got}}, not {needs}') if got != {needs!r} else None; "
+            f"sys.exit(pytest.main([{__file__!r}, '-q', '-p', 'no:cacheprovider', '-k', 'not is_not']))")
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ZEROKL_ISA_PATH=name, **env),
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

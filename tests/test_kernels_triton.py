@@ -110,6 +110,28 @@ def _embed_row(row: torch.Tensor, batch: int, pos: int, seed: int) -> torch.Tens
     return x
 
 
+def test_interpreted_dots_never_call_the_host_blas(p: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter every dot of every kernel is an explicit fp32 product and sum: numpy's
+    `matmul` (the host BLAS, whose row bits depend on the row's place in the matrix and on the CPU) is
+    never called, so the invariances below hold on any CPU."""
+    if p.name != "interp":
+        pytest.skip("interpreter only")
+    import numpy as np
+
+    def host_blas(*args, **kwargs):
+        raise AssertionError("an interpreted kernel called numpy.matmul")
+
+    monkeypatch.setattr(np, "matmul", host_blas)
+    x, w = torch.randn(5, 64), torch.randn(40, 64)
+    p.k.linear(x, w, LoRA(torch.randn(4, 64), torch.randn(40, 4), 0.5))
+    q, k, v = torch.randn(1, 20, 2, 32), torch.randn(1, 20, 2, 32), torch.randn(1, 20, 2, 32)
+    p.k.attention(q, k, v, torch.arange(20).view(1, 20), torch.tensor([20]), 0.2)
+    _run_kda(p, _kda_inputs(1, 70), slice(0, 70), torch.zeros(1, 2, 16, 16))
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    _moe(p, torch.randn(6, lat), torch.randn(6, e), torch.zeros(e), w1, w3, w2)
+
+
 # --- linear ---------------------------------------------------------------------------------------
 
 @SETTINGS

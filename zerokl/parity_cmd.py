@@ -4,8 +4,9 @@
   default, or `deepspeed` at `--zero-stage 2|3`, one process), compare.
 - `selftest`: one-ulp weight perturbations on the rollout side only must be detected and localised.
 - `diff A.jsonl B.jsonl`: compare two dumps from any source (A is the rollout / behaviour side).
+- `kernels`: the CPU kernel invariances that rest on this host's BLAS and SIMD kernels, checked here.
 Exit code: 0 only when every compared log-prob is bitwise equal (selftest: every trial detected and
-localised), 1 otherwise, 2 for user errors.
+localised; kernels: every check bit-equal), 1 otherwise, 2 for user errors.
 """
 
 from __future__ import annotations
@@ -87,6 +88,20 @@ def _run_selftest(args: argparse.Namespace) -> int:
     return 0 if ok == len(trials) else 1
 
 
+def _run_kernels(args: argparse.Namespace) -> int:
+    from parity import host_check
+
+    print(f"host: {host_check.host_description()}")
+    results = host_check.run(args.seed)
+    for r in results:
+        print(f"{'ok  ' if r.ok else 'FAIL'} {r.name}: {r.detail}")
+    failed = sum(not r.ok for r in results)
+    print(f"kernels: {len(results) - failed}/{len(results)} host-dependent invariances hold on this machine")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=2))
+    return 0 if not failed else 1
+
+
 def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     p.add_argument("--model", required=True, help="official-format checkpoint directory")
     src = p.add_mutually_exclusive_group()
@@ -123,3 +138,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--json", help="write the summary and per-sequence detail here")
     d.add_argument("--report", help="write an HTML report with the per-token plot here")
     d.set_defaults(func=_run_diff)
+    k = psub.add_parser("kernels", help="check here the kernel invariances that rest on this CPU's BLAS / SIMD "
+                                        "kernels (seconds; no model needed)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--json", help="write the results here")
+    k.set_defaults(func=_run_kernels)

@@ -2,9 +2,11 @@
 
 Invariant form: rows are zero-padded to whole tiles of `TILE_ROWS` and every tile is one GEMM of the
 same fixed shape (TILE_ROWS, K) x (K, N) inside one `bmm`, so no row's reduction order depends on how
-many rows the batch has (MKL's sgemm otherwise treats the trailing `M mod 4` rows differently). Rows
-inside a tile are independent in the GEMM micro-kernel; `tests/test_kernels.py` checks that any row
-gives the same bits alone, at any position of any batch, and with any thread count.
+many rows the batch has (MKL's sgemm otherwise treats the trailing `M mod 4` rows differently). That
+rows inside a tile are independent of their position in it is a property of the BLAS micro-kernel, not
+of this code: observed for MKL's paths on AVX2 and AVX-512 CPUs (`tests/test_kernels.py` runs the
+properties on each path the host has) and checked on any machine by `zerokl parity kernels`
+(`parity/host_check.py`).
 """
 
 from __future__ import annotations

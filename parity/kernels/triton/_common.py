@@ -6,9 +6,13 @@ to the CPU kernels. Each choice is a function of dtypes and weight shapes only, 
 rows, so it cannot move a row's bits.
 
 Under the Triton interpreter (`TRITON_INTERPRET=1` when triton and this package are first imported),
-bf16 dot operands are upcast to fp32 first: triton 3.9's interpreter multiplies bf16 bit patterns as
-integers. Triton decorates its own library at its first import too, so a process is either interpreted
-or compiled throughout (tests/test_kernels_triton.py runs the interpreter suite in a child process).
+`mma` never calls `tl.dot`: the interpreter turns it into numpy's `matmul`, i.e. the host BLAS, whose bits
+for a row change with where the row sits in the matrix and with the CPU the run lands on (OpenBLAS on
+AVX2 vs AVX-512). `mma` there forms the fp32 products and sums them along K with one reduction, the same
+for every output element, so interpreted kernels keep their invariances on any CPU. (It also computes
+bf16 operands in fp32: triton 3.9's interpreter multiplies bf16 bit patterns as integers.) Triton
+decorates its own library at its first import too, so a process is either interpreted or compiled
+throughout (tests/test_kernels_triton.py runs the interpreter suite in a child process).
 Row counts are passed with `do_not_specialize`, so M = 1 and M = 4096 run the same compiled code.
 """
 
@@ -48,10 +52,15 @@ def pow2(n: int, floor: int = 16) -> int:
 
 
 @triton.jit
-def mma(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b with fp32 accumulation; `UPCAST` (interpreter only) computes bf16 operands in fp32."""
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+def mma(a, b, acc, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """acc + a @ b with fp32 accumulation; a: [M, K], b: [K, N], acc: [M, N] fp32.
+
+    Compiled: `tl.dot` at `PREC`. Interpreted (`INTERP`): the fp32 products a[m, k] * b[k, n] summed over
+    k by one reduction of the [M, K, N] tile, whose order depends on the tile's shape alone, never on m,
+    n, the other rows or the host BLAS."""
+    if INTERP:
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]  # [M, K, N]
+        out = acc + tl.sum(prod, axis=1)
     else:
         out = tl.dot(a, b, acc, input_precision=PREC)
     return out

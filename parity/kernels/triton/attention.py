@@ -29,7 +29,7 @@ LOG2E = math.log2(math.e)
 def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq, D, DV, qk_scale,
                  sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb, stb, PAGE,
                  PAGED: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr, BD2: tl.constexpr,
-                 BDV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                 BDV: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """qk_scale = scale * log2(e) (scores in base 2). The head dim is covered by two blocks, BD then BD2
     (e.g. 192 = 128 + 64, no padding to 256; BD2 = 0: one block). PAGED: k/v are [blocks, PAGE, H, D]
     caches and key s of row b lives in block table[b, s // PAGE] at offset s % PAGE (skb/svb: block strides)."""
@@ -66,11 +66,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
         kt = tl.load(k_ptr + krow[None, :] + h * skh + d[:, None], mask=key_ok[None, :] & (d[:, None] < D), other=0.0)
         vt = tl.load(v_ptr + vrow[:, None] + h * svh + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV),
                      other=0.0)
-        s = mma(q, kt, tl.zeros((BQ, BKV), dtype=tl.float32), PREC, UPCAST)
+        s = mma(q, kt, tl.zeros((BQ, BKV), dtype=tl.float32), PREC, INTERP)
         if BD2 > 0:
             kt2 = tl.load(k_ptr + krow[None, :] + h * skh + d2[:, None], mask=key_ok[None, :] & (d2[:, None] < D),
                           other=0.0)
-            s = mma(q2, kt2, s, PREC, UPCAST)
+            s = mma(q2, kt2, s, PREC, INTERP)
         s = s * qk_scale
         visible = (ks[None, :] <= pos[:, None]) & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -79,7 +79,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
+        acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, INTERP)
         m = m_new
     o = acc / l[:, None]
     tl.store(o_ptr + b * sob + rq[:, None] * sot + h * soh + dv[None, :], o.to(o_ptr.dtype.element_ty),
@@ -111,7 +111,7 @@ def _launch(q, k, v, q_pos, kv_len, scale, table=None, page=1) -> torch.Tensor:
                        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
                        pos.stride(0), tbl.stride(0) if paged else 0, page,
                        PAGED=paged, BQ=BLOCK_Q, BKV=BLOCK_KV, BD=bd, BD2=bd2, BDV=bdv, PREC=dot_precision(q.dtype),
-                       UPCAST=INTERPRET, num_warps=warps, num_stages=2)
+                       INTERP=INTERPRET, num_warps=warps, num_stages=2)
     return o
 
 

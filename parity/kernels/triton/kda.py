@@ -91,7 +91,7 @@ def _cumsum_kernel(g_ptr, gc_ptr, len_ptr, H, K, sgb, sgt, sgh, scb, sct, sch, C
 def _blocks_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, len_ptr, H, K, scale,
                    sqb, sqt, sqh, scb, sct, sch, sbb, sbt, sab, sat, sah,
                    C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DK: tl.constexpr,
-                   PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   PREC: tl.constexpr, INTERP: tl.constexpr):
     """Row block r of chunk c: the 16x16 blocks (r, s) of L (beta folded in) and A (scale folded in)."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
@@ -119,8 +119,8 @@ def _blocks_kernel(q_ptr, k_ptr, gc_ptr, beta_ptr, akk_ptr, aqk_ptr, len_ptr, H,
             dec_r = tl.exp(g_r - gn[None, :])
             ks = k_s * tl.exp(gn[None, :] - g_s)
             zero = tl.zeros((BC, BC), dtype=tl.float32)
-            akk = mma(k_r * dec_r, tl.trans(ks), zero, PREC, UPCAST) * beta_r[:, None]
-            aqk = mma(q_r * dec_r, tl.trans(ks), zero, PREC, UPCAST) * scale
+            akk = mma(k_r * dec_r, tl.trans(ks), zero, PREC, INTERP) * beta_r[:, None]
+            aqk = mma(q_r * dec_r, tl.trans(ks), zero, PREC, INTERP) * scale
             tl.store(akk_ptr + a_rows + (s * BC + i)[None, :], akk)
             tl.store(aqk_ptr + a_rows + (s * BC + i)[None, :], aqk)
         # diagonal block: element-wise exp(gc_t - gc_j) (any gate strength), DK channels at a time
@@ -168,7 +168,7 @@ def _diag_inverses(a_base, c, sat, C: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _unit_lower_inverse(a_base, c, sat, C: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        INTERP: tl.constexpr):
     """T = (I + L)^{-1} for the chunk's strictly lower L ([C, C] at a_base rows c C ...), by blocks of BC:
     D = the diagonal blocks' inverses, then block row r: T[r, :r] = -T[r, r] (L[r, :r] T[:r, :r]) as two
     dots (rows outside block r see exact zeros). Row t of T reads only L rows <= t."""
@@ -176,13 +176,13 @@ def _unit_lower_inverse(a_base, c, sat, C: tl.constexpr, BC: tl.constexpr, PREC:
     i = tl.arange(0, C)
     spread = ((i[None, :] % BC) == tl.arange(0, BC)[:, None]).to(tl.float32)  # [BC, C] one-hot
     zero = tl.zeros((C, C), dtype=tl.float32)
-    d = mma(t2, spread, zero, "ieee", UPCAST)  # t2[r, c % BC]: one non-zero product per entry, exact
+    d = mma(t2, spread, zero, "ieee", INTERP)  # t2[r, c % BC]: one non-zero product per entry, exact
     d = tl.where(i[:, None] // BC == i[None, :] // BC, d, 0.0)
     l_full = tl.load(a_base + (c * C + i)[:, None].to(tl.int64) * sat + i[None, :])
     tm = d
     for r in tl.static_range(1, C // BC):
         lr = tl.where((i[:, None] // BC == r) & (i[None, :] < r * BC), l_full, 0.0)
-        tm = tm - mma(d, mma(lr, tm, zero, PREC, UPCAST), zero, PREC, UPCAST)
+        tm = tm - mma(d, mma(lr, tm, zero, PREC, INTERP), zero, PREC, INTERP)
     return tm
 
 
@@ -190,7 +190,7 @@ def _unit_lower_inverse(a_base, c, sat, C: tl.constexpr, BC: tl.constexpr, PREC:
 def _solve_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, kh_ptr, len_ptr, H, K, V,
                   sqb, sqt, sqh, svb, svt, svh, scb, sct, sch, sbb, sbt, sab, sat, sah, swb, swt, swh, sub, sut, suh,
                   C: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  INTERP: tl.constexpr):
     """T = (I + L)^{-1} (`_unit_lower_inverse`), then W = T (beta k exp(gc)), U0 = T (beta v), and
     kh = k exp(gc_last - gc) for the state update (used for complete chunks only)."""
     c = tl.program_id(0)
@@ -201,14 +201,14 @@ def _solve_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, kh_ptr,
     if c * C < n:
         i = tl.arange(0, C)
         t = (c * C + i).to(tl.int64)
-        tm = _unit_lower_inverse(akk_ptr + b * sab + h * sah, c, sat, C, BC, PREC, UPCAST)
+        tm = _unit_lower_inverse(akk_ptr + b * sab + h * sah, c, sat, C, BC, PREC, INTERP)
         rm = t[:, None] < n
         kk = tl.arange(0, BK)
         beta = tl.load(beta_ptr + b * sbb + t * sbt + h, mask=t < n, other=0.0).to(tl.float32)
         kt = tl.load(k_ptr + b * sqb + t[:, None] * sqt + h * sqh + kk[None, :], mask=rm & (kk[None, :] < K),
                      other=0.0).to(tl.float32)
         gt = tl.load(gc_ptr + b * scb + t[:, None] * sct + h * sch + kk[None, :], mask=kk[None, :] < K, other=0.0)
-        w = mma(tm, beta[:, None] * kt * tl.exp(gt), tl.zeros((C, BK), dtype=tl.float32), PREC, UPCAST)
+        w = mma(tm, beta[:, None] * kt * tl.exp(gt), tl.zeros((C, BK), dtype=tl.float32), PREC, INTERP)
         tl.store(w_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], w.to(w_ptr.dtype.element_ty),
                  mask=kk[None, :] < K)
         gl = tl.load(gc_ptr + b * scb + tl.cast(c * C + C - 1, tl.int64) * sct + h * sch + kk, mask=kk < K, other=0.0)
@@ -218,7 +218,7 @@ def _solve_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, kh_ptr,
         vv = tl.arange(0, BV)
         vt = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + vv[None, :], mask=rm & (vv[None, :] < V),
                      other=0.0).to(tl.float32)
-        u = mma(tm, beta[:, None] * vt, tl.zeros((C, BV), dtype=tl.float32), PREC, UPCAST)
+        u = mma(tm, beta[:, None] * vt, tl.zeros((C, BV), dtype=tl.float32), PREC, INTERP)
         tl.store(u_ptr + b * sub + t[:, None] * sut + h * suh + vv[None, :], u, mask=vv[None, :] < V)
 
 
@@ -226,7 +226,7 @@ def _solve_kernel(k_ptr, v_ptr, gc_ptr, beta_ptr, akk_ptr, w_ptr, u_ptr, kh_ptr,
 def _state_kernel(kh_ptr, gc_ptr, w_ptr, u_ptr, s0_ptr, sc_ptr, sout_ptr, len_ptr, H, K, V,
                   scb, sct, sch, swb, swt, swh, sub, sut, suh,
                   ssb, ssh, ssk, scb2, scc, sch2, sck,
-                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                  C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """Walk the chunks of one (sequence, head, V block): save S at each chunk start, U = U0 - W S
     (in place), and advance S over complete chunks only; write S after the last complete chunk."""
     pv = tl.program_id(0)
@@ -250,12 +250,12 @@ def _state_kernel(kh_ptr, gc_ptr, w_ptr, u_ptr, s0_ptr, sc_ptr, sout_ptr, len_pt
                     other=0.0).to(tl.float32)
         u_ptrs = u_ptr + b * sub + t[:, None] * sut + h * suh + vv[None, :]
         u0 = tl.load(u_ptrs, mask=vm[None, :], other=0.0)
-        u = u0 - mma(w, s, tl.zeros((C, BV), dtype=tl.float32), PREC, UPCAST)
+        u = u0 - mma(w, s, tl.zeros((C, BV), dtype=tl.float32), PREC, INTERP)
         tl.store(u_ptrs, u, mask=vm[None, :])
         kh = tl.load(kh_ptr + b * swb + t[:, None] * swt + h * swh + kk[None, :], mask=km[None, :],
                      other=0.0).to(tl.float32)
         gl = tl.load(gc_ptr + b * scb + tl.cast(c * C + C - 1, tl.int64) * sct + h * sch + kk, mask=km, other=0.0)
-        s_new = s * tl.exp(gl)[:, None] + mma(tl.trans(kh), u, tl.zeros((BK, BV), dtype=tl.float32), PREC, UPCAST)
+        s_new = s * tl.exp(gl)[:, None] + mma(tl.trans(kh), u, tl.zeros((BK, BV), dtype=tl.float32), PREC, INTERP)
         s = tl.where(c < n_full, s_new, s)
     tl.store(sout_ptr + b * ssb + h * ssh + kk[:, None] * ssk + vv[None, :], s, mask=smask)
 
@@ -263,7 +263,7 @@ def _state_kernel(kh_ptr, gc_ptr, w_ptr, u_ptr, s0_ptr, sc_ptr, sout_ptr, len_pt
 @triton.jit
 def _output_kernel(q_ptr, gc_ptr, aqk_ptr, u_ptr, sc_ptr, o_ptr, len_ptr, H, K, V, scale,
                    sqb, sqt, sqh, scb, sct, sch, sab, sat, sah, sub, sut, suh, scb2, scc, sch2, sck, sob, sot, soh,
-                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """O = (scale q exp(gc)) S_c + A U for one chunk and V block."""
     c = tl.program_id(0)
     bh = tl.program_id(1)
@@ -286,7 +286,7 @@ def _output_kernel(q_ptr, gc_ptr, aqk_ptr, u_ptr, sc_ptr, o_ptr, len_ptr, H, K, 
                     mask=(kk[:, None] < K) & vm, other=0.0)
         a = tl.load(aqk_ptr + b * sab + t[:, None] * sat + h * sah + i[None, :])
         u = tl.load(u_ptr + b * sub + t[:, None] * sut + h * suh + vv[None, :], mask=vm, other=0.0)
-        o = mma(a, u, mma(qs, s, tl.zeros((C, BV), dtype=tl.float32), PREC, UPCAST), PREC, UPCAST)
+        o = mma(a, u, mma(qs, s, tl.zeros((C, BV), dtype=tl.float32), PREC, INTERP), PREC, INTERP)
         tl.store(o_ptr + b * sob + t[:, None] * sot + h * soh + vv[None, :], o.to(o_ptr.dtype.element_ty), mask=vm)
 
 
@@ -313,7 +313,7 @@ def _chunked(q, k, v, g, beta, scale: float, s0: torch.Tensor, lens: torch.Tenso
     s_out = torch.empty(b, h, kd, vd, **f32)
     o = torch.empty(b, tp, h, vd, dtype=out_dtype, device=dev)
     prec = dot_precision(q.dtype)
-    common = dict(C=CHUNK, PREC=prec, UPCAST=INTERPRET)
+    common = dict(C=CHUNK, PREC=prec, INTERP=INTERPRET)
     qs = (q.stride(0), q.stride(1), q.stride(2))
     assert k.stride() == q.stride(), "q and k must share strides"
     gcs = (gc.stride(0), gc.stride(1), gc.stride(2))

@@ -107,19 +107,19 @@ def _tile_ids(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _lora_epilogue(acc, t_ptr, b_ptr, rm, rn, M, N, R, stm, str_, sbn, sbr, scale,
-                   BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, R_PAD: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """acc + (t B^T) * scale for the tile's rows rm and columns rn (rank padded with zeros to R_PAD)."""
     rr = tl.arange(0, R_PAD)
     t = tl.load(t_ptr + rm[:, None] * stm + rr[None, :] * str_, mask=(rm[:, None] < M) & (rr[None, :] < R), other=0.0)
     b = tl.load(b_ptr + rn[None, :] * sbn + rr[:, None] * sbr, mask=(rn[None, :] < N) & (rr[:, None] < R), other=0.0)
-    lora = mma(t, b, tl.zeros((BM, BN), dtype=tl.float32), PREC, UPCAST)
+    lora = mma(t, b, tl.zeros((BM, BN), dtype=tl.float32), PREC, INTERP)
     return acc + lora * scale
 
 
 @triton.jit
 def _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
               SPLIT: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              PREC: tl.constexpr, UPCAST: tl.constexpr):
+              PREC: tl.constexpr, INTERP: tl.constexpr):
     """SPLIT: store this segment's fp32 sum at p_ptr[segment]; else (+ LoRA) cast and store y."""
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT:
@@ -128,7 +128,7 @@ def _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm,
     else:
         if HAS_LORA:
             total = _lora_epilogue(total, t_ptr, b_ptr, rm, rn, M, N, R, stm, str_, sbn, sbr, scale, BM, BN, R_PAD,
-                                   PREC, UPCAST)
+                                   PREC, INTERP)
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, total.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -148,7 +148,7 @@ def _segment_range(K, SEG, SPLIT: tl.constexpr):
 def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sym, syn,
                      R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -162,17 +162,17 @@ def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm
                         mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
             b = tl.load(w_ptr + rn[None, :] * swn + (k0 + rk)[:, None] * swk,  # [BK, BN] view of W^T
                         mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
-            acc = mma(a, b, acc, PREC, UPCAST)
+            acc = mma(a, b, acc, PREC, INTERP)
         total = total + acc
     _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
-              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, UPCAST)
+              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
                      scale, SPLIT: tl.constexpr,
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     s_lo, s_hi = _segment_range(K, SEG, SPLIT)
     total = tl.zeros((BM, BN), dtype=tl.float32)
@@ -181,18 +181,18 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, s
         for k0 in range(s * SEG, tl.minimum(s * SEG + SEG, K), BK):
             a = x_desc.load([pid_m * BM, k0])  # out-of-bounds rows and columns arrive as zeros
             b = w_desc.load([pid_n * BN, k0])
-            acc = mma(a, tl.trans(b), acc, PREC, UPCAST)
+            acc = mma(a, tl.trans(b), acc, PREC, INTERP)
         total = total + acc
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
-              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, UPCAST)
+              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _segment_sum_kernel(p_ptr, y_ptr, t_ptr, b_ptr, M, N, NSEG, sym, syn, R, stm, str_, sbn, sbr, scale,
                         HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                        GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """total = ((0 + s_0) + s_1) + ... over the split path's segment sums, then the fused path's epilogue."""
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -203,7 +203,7 @@ def _segment_sum_kernel(p_ptr, y_ptr, t_ptr, b_ptr, M, N, NSEG, sym, syn, R, stm
         total = total + tl.load(p_ptr + tl.cast(s, tl.int64) * M * N + rm[:, None] * N + rn[None, :], mask=mask,
                                 other=0.0)
     _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
-              False, HAS_LORA, R_PAD, BM, BN, PREC, UPCAST)
+              False, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -238,7 +238,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, lora_t: torch.Tensor | None = None,
     part = torch.empty(n_seg, m, n, dtype=torch.float32, device=x.device) if split else y
     grid = (tiles, n_seg) if split else (tiles,)
     common = dict(HAS_LORA=has_lora, R_PAD=pow2(t_args[2]), BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
-                  PREC=dot_precision(x.dtype), UPCAST=INTERPRET, num_warps=cfg.warps)
+                  PREC=dot_precision(x.dtype), INTERP=INTERPRET, num_warps=cfg.warps)
     meta = dict(common, SPLIT=split, BK=cfg.block_k, num_stages=cfg.stages)
     if cfg.tma and _tma_ok(x, w):
         xd = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])

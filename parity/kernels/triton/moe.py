@@ -104,7 +104,7 @@ def _act(a, b, ACT: tl.constexpr, C0, C1, CLIP_UP: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I, TOPK,
                     sx, sw_e, sw_n, sh, C0, C1, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """h[p] = act(x[tok] w1_e^T, x[tok] w3_e^T) for the tile's sorted positions p (tok = order[p] // k)."""
     tile = tl.program_id(0)
     expert = tl.load(t_exp_ptr + tile).to(tl.int64)
@@ -123,8 +123,8 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_
         a = tl.load(x_ptr + tok[:, None] * sx + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         woff = expert * sw_e + rn[None, :] * sw_n + (k0 + rk)[:, None]
         wmask = (rn[None, :] < I) & kmask[:, None]
-        acc1 = mma(a, tl.load(w1_ptr + woff, mask=wmask, other=0.0), acc1, PREC, UPCAST)
-        acc3 = mma(a, tl.load(w3_ptr + woff, mask=wmask, other=0.0), acc3, PREC, UPCAST)
+        acc1 = mma(a, tl.load(w1_ptr + woff, mask=wmask, other=0.0), acc1, PREC, INTERP)
+        acc3 = mma(a, tl.load(w3_ptr + woff, mask=wmask, other=0.0), acc3, PREC, INTERP)
     h = _act(acc1, acc3, ACT, C0, C1, CLIP_UP)
     tl.store(h_ptr + pos[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & (rn[None, :] < I))
@@ -132,7 +132,7 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_
 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I, sh, sw_e, sw_n, sy,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """y[slot] = h[p] w2_e^T (fp32) for the tile's sorted positions p, slot = order[p]."""
     tile = tl.program_id(0)
     expert = tl.load(t_exp_ptr + tile).to(tl.int64)
@@ -150,7 +150,7 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows
         a = tl.load(h_ptr + pos[:, None] * sh + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(w2_ptr + expert * sw_e + rn[None, :] * sw_n + (k0 + rk)[:, None],
                     mask=(rn[None, :] < L) & kmask[:, None], other=0.0)
-        acc = mma(a, b, acc, PREC, UPCAST)
+        acc = mma(a, b, acc, PREC, INTERP)
     tl.store(y_ptr + slot[:, None] * sy + rn[None, :], acc, mask=rmask[:, None] & (rn[None, :] < L))
 
 
@@ -194,11 +194,11 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, bn))](
         x, w1, w3, h, order, t_exp, t_start, t_rows, lat, inter, k, x.stride(0), w1.stride(0), w1.stride(1),
         h.stride(0), float(beta), float(linear_beta or 1.0), ACT=0 if act == "silu" else 1,
-        CLIP_UP=linear_beta is not None, BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, UPCAST=INTERPRET, num_warps=4,
+        CLIP_UP=linear_beta is not None, BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, num_warps=4,
         num_stages=3)
     _down_kernel[(n_tiles, triton.cdiv(lat, bn))](
         h, w2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, UPCAST=INTERPRET, num_warps=4, num_stages=3)
+        BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, num_warps=4, num_stages=3)
     bl = min(pow2(lat), 1024)
     _combine_kernel[(n, triton.cdiv(lat, bl))](y, weights.contiguous(), out, lat, k, BL=bl, num_warps=4)
     return out
