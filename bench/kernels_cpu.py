@@ -16,7 +16,7 @@ import torch
 from parity.config import load_model_config
 from parity.kernels import FAST, INVARIANT, Kernels
 from parity.model import K3Forward, K3Weights, score_sequences
-from zerokl.checkpoint import random_weights
+from parity.io.checkpoint import random_weights
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:

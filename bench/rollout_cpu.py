@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rollout.engine import RolloutEngine
-from zerokl.checkpoint import init_checkpoint
+from parity.io.checkpoint import init_checkpoint
 
 
 def _workload(n: int, length: int) -> list[list[int]]:

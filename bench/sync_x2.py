@@ -51,9 +51,9 @@ from parity.kernels import get_kernels
 from parity.kernels.attention import gather_paged
 from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
 from parity.weights import text_specs
-from zerokl.checkpoint import random_weights
-from zerokl.sync.bundle import SyncError, TensorStore, WeightBundle
-from zerokl.sync.transports import TorchDistributed
+from parity.io.checkpoint import random_weights
+from parity.sync.bundle import SyncError, TensorStore, WeightBundle
+from parity.sync.transports import TorchDistributed
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 TRAINER, ENGINE = 0, 1

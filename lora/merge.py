@@ -17,7 +17,7 @@ import torch
 from lora.adapter import Adapter, load_adapter
 from lora.spec import AdapterError
 from parity.config import ModelConfig
-from zerokl.checkpoint import DTYPES, all_specs, load_checkpoint, save_checkpoint
+from parity.io.checkpoint import DTYPES, all_specs, load_checkpoint, save_checkpoint
 
 
 def merge_weights(weights: dict[str, torch.Tensor], adapter: Adapter) -> dict[str, torch.Tensor]:

@@ -32,8 +32,8 @@ import torch
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
-from zerokl.sync.bundle import SyncError, WeightBundle
-from zerokl.sync.transports import Disk
+from parity.sync.bundle import SyncError, WeightBundle
+from parity.sync.transports import Disk
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -158,7 +158,7 @@ class RolloutEngine:
         return request
 
     def update_weights(self, bundle: WeightBundle) -> None:
-        """Install a weight bundle (`zerokl.sync`), all-or-nothing: `kind="full"` (every fp32 text tensor) in the
+        """Install a weight bundle (`parity.sync`), all-or-nothing: `kind="full"` (every fp32 text tensor) in the
         workers' parameters, then drop the prefix cache (its latents and states came from the old weights);
         `kind="adapter"` (the policy adapter's PEFT tensors) as a new version of the policy adapter. Raises
         `SyncError` on a rejected update; the engine then keeps its previous weights, adapter and version."""
@@ -184,7 +184,7 @@ class RolloutEngine:
         """Verify the bundle against the policy adapter's tensors, write it as a PEFT directory, load it under a
         new versioned name, then drop the old version (requests name `policy_adapter`, read per call)."""
         from lora.adapter import Adapter, pair_tensors, save_adapter
-        from zerokl.sync.bundle import verify
+        from parity.sync.bundle import verify
 
         if self.policy_adapter is None:
             raise SyncError("adapter update without a policy adapter: call set_policy_adapter first")

@@ -37,7 +37,7 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec, MambaStateCopyFunc
 from vllm.model_executor.models.interfaces import (HasInnerState, IsHybrid, SupportsLoRA,
                                                    SupportsMambaPrefixCaching)
-from zerokl.checkpoint import all_specs
+from parity.io.checkpoint import all_specs
 
 
 class ModelSetupError(ValueError):

@@ -1,7 +1,7 @@
-"""The `zerokl` weight-transfer backend: vLLM workers receive `zerokl.sync` weight bundles on CPU.
+"""The `zerokl` weight-transfer backend: vLLM workers receive `parity.sync` weight bundles on CPU.
 
 vLLM's built-in backends (NCCL, CUDA IPC) need GPUs. This one reads a bundle the trainer wrote with
-`zerokl.sync.transports.Disk` (safetensors + a manifest of per-tensor blake2b checksums), through
+`parity.sync.transports.Disk` (safetensors + a manifest of per-tensor blake2b checksums), through
 vLLM's own weight-update API: `start_weight_update`, `update_weights({"path": DIR})`,
 `finish_weight_update`.
 
@@ -26,8 +26,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from zerokl.sync.bundle import SyncError, WeightBundle, checksum, verify
-from zerokl.sync.transports import Disk
+from parity.sync.bundle import SyncError, WeightBundle, checksum, verify
+from parity.sync.transports import Disk
 
 @dataclass
 class DiskInitInfo(WeightTransferInitInfo):
@@ -36,7 +36,7 @@ class DiskInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class DiskUpdateInfo(WeightTransferUpdateInfo):
-    path: str  # a version directory written by `zerokl.sync.transports.Disk.send`
+    path: str  # a version directory written by `parity.sync.transports.Disk.send`
 
 
 class ZeroKLWeightTransferEngine(WeightTransferEngine[DiskInitInfo, DiskUpdateInfo]):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from parity.config import load_model_config
-from zerokl.checkpoint import INDEX_FILE, CheckpointError, all_specs, init_checkpoint, load_checkpoint
+from parity.io.checkpoint import INDEX_FILE, CheckpointError, all_specs, init_checkpoint, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "k3-tiny.yaml"
@@ -46,7 +46,7 @@ def test_writes_official_layout(ckpt: Path):
 
 
 def test_round_trip_is_bitwise(ckpt: Path):
-    from zerokl.checkpoint import random_weights
+    from parity.io.checkpoint import random_weights
 
     cfg, loaded = load_checkpoint(ckpt)
     expected = random_weights(cfg, seed=0, dtype=torch.bfloat16)

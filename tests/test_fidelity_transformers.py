@@ -30,7 +30,7 @@ from parity.config import TextConfig, load_model_config
 from parity.kernels import FAST, INVARIANT
 from parity.model import KDA_NORM_EPS, K3Forward, K3Weights, new_cache, score_sequences
 from parity.reference import ReferenceK3
-from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import init_checkpoint, load_checkpoint
 
 modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 

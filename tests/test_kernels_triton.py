@@ -561,7 +561,7 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform) -> None:
     chunked KDA state; and agree with the CPU invariant forward within fp32 round-off."""
     from parity.config import load_model_config
     from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
-    from zerokl.checkpoint import random_weights
+    from parity.io.checkpoint import random_weights
 
     cfg = load_model_config("configs/k3-tiny.yaml")
     official = random_weights(cfg, seed=0)

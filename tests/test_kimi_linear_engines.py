@@ -33,7 +33,7 @@ from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.sharding import Split, shard, split_roles
 from trainer.train import build_model
 from zerokl import cli
-from zerokl.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
+from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun
 

@@ -22,7 +22,7 @@ from lora.targets import lora_targets, tensor_name
 from parity.config import ModelConfig, load_model_config
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import init_checkpoint, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 Q_PROJ = "language_model.layers.1.self_attn.q_proj"  # a KDA layer (layer 0 is dense, 1-3 KDA, 4 MLA, ...)

@@ -18,7 +18,7 @@ from lora.adapter import save_adapter
 from lora.init import random_adapter
 from lora.push import STATE_ROUTE, SWITCH_ROUTE, PushError, Server, push
 from parity.config import load_model_config
-from zerokl.checkpoint import init_checkpoint
+from parity.io.checkpoint import init_checkpoint
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from trainer.checkpoint_io import export_adapter, save_adapter, save_adapter_sta
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
 from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.train import Trainer, build_model, build_trainer, train_step
-from zerokl.checkpoint import init_checkpoint, load_checkpoint, random_weights
+from parity.io.checkpoint import init_checkpoint, load_checkpoint, random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from parity.config import load_model_config
 from parity.kernels import FAST, INVARIANT
 from parity.model import K3Forward, K3Weights, new_cache, score_sequences
-from zerokl.checkpoint import random_weights
+from parity.io.checkpoint import random_weights
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from parity.config import load_model_config
 from parity.diagnose import diagnose
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights
-from zerokl.checkpoint import random_weights
+from parity.io.checkpoint import random_weights
 from zerokl.cli import main
 
 

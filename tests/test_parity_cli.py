@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zerokl.checkpoint import init_checkpoint
+from parity.io.checkpoint import init_checkpoint
 from zerokl.parity_check import Checker, selftest, task_prompts
 
 REPO = Path(__file__).resolve().parents[1]

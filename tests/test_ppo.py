@@ -24,7 +24,7 @@ import torch
 
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun, SyncFailed
-from zerokl.sync.bundle import WeightBundle
+from parity.sync.bundle import WeightBundle
 
 STEPS = 24
 TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}

@@ -21,7 +21,7 @@ import torch
 
 from lora.adapter import save_adapter
 from lora.init import random_adapter
-from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import init_checkpoint, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 10

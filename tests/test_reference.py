@@ -19,7 +19,7 @@ from parity.reference.mla import mla_layer
 from parity.reference.moe import moe_layer, route
 from parity.reference.ops import causal_conv_silu, glu_activation, l2_norm, situ
 from parity.weights import layer_prefix
-from zerokl.checkpoint import random_weights, save_checkpoint
+from parity.io.checkpoint import random_weights, save_checkpoint
 
 F64 = torch.float64
 TINY = Path(__file__).resolve().parents[1] / "configs" / "k3-tiny.yaml"

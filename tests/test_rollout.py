@@ -28,7 +28,7 @@ from parity.model import K3Forward, K3Weights, score_sequences
 from parity.weights import text_specs
 from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
 from rollout import serve
-from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import init_checkpoint, load_checkpoint
 
 from helpers import free_port, running_server
 

@@ -28,9 +28,9 @@ from lora.spec import AdapterError
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from rollout.engine import RolloutEngine, RolloutError, sample_seed
-from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import init_checkpoint, load_checkpoint
 from zerokl.cli import main
-from zerokl.sync.bundle import SyncError, WeightBundle
+from parity.sync.bundle import SyncError, WeightBundle
 
 from helpers import free_port, running_server
 

@@ -17,8 +17,8 @@ from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
 from parity.weights import text_specs
 from rollout.engine import RolloutEngine, Sample
-from zerokl.checkpoint import init_checkpoint, load_checkpoint, random_weights
-from zerokl.sync.bundle import SyncError, WeightBundle
+from parity.io.checkpoint import init_checkpoint, load_checkpoint, random_weights
+from parity.sync.bundle import SyncError, WeightBundle
 
 PROMPTS = [list(range(5, 40)), [(7 * i) % 1000 + 4 for i in range(200)]]  # the second spans a 128-token block
 

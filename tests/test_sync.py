@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zerokl.sync.bundle import SyncError, TensorStore, WeightBundle, checksum
-from zerokl.sync.transports import Disk, InProcess, TorchDistributed, WeightSync
+from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksum
+from parity.sync.transports import Disk, InProcess, TorchDistributed, WeightSync
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from trainer.modules import K3Model
 from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.sharding import Split, split_of, split_roles
 from trainer.train import build_model, build_trainer, train_step
-from zerokl.checkpoint import CheckpointError, init_checkpoint, load_checkpoint, random_weights
+from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint, random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8

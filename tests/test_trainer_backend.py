@@ -23,7 +23,7 @@ from parity.weights import text_specs
 from trainer.backend import ADAPTER_DIR, WEIGHTS_FILE, TrainerBackend, build_backend
 from trainer.deepspeed_linear import linear_saving_parameters
 from trainer.logprobs import PaddedBatch, token_logprobs
-from zerokl.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import init_checkpoint, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8

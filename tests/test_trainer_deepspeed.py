@@ -25,7 +25,7 @@ from trainer.deepspeed_io import export_official, load_official, load_state, sav
 from trainer.deepspeed_lora import attach_lora, export_adapter, save_adapter as save_trainer_adapter
 from trainer.deepspeed_module import K3Module, Projection
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
-from zerokl.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
+from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8

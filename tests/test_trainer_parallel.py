@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zerokl.checkpoint import init_checkpoint
+from parity.io.checkpoint import init_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_parallel.py"

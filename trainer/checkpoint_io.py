@@ -26,7 +26,7 @@ from lora.state import write_shard
 from lora.targets import tensor_name
 from trainer.modules import K3Model, local_experts
 from trainer.sharding import Split, lora_splits, shard, split_of, split_roles
-from zerokl.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from parity.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
@@ -62,7 +62,7 @@ def load_official(model: K3Model, weights: dict[str, torch.Tensor]) -> list[str]
 
 
 def load_official_dir(model: K3Model, path: str | Path) -> list[str]:
-    """`load_official` from a checkpoint directory (`zerokl.checkpoint.load_checkpoint` validates it)."""
+    """`load_official` from a checkpoint directory (`parity.io.checkpoint.load_checkpoint` validates it)."""
     _, weights = load_checkpoint(path)
     return load_official(model, weights)
 

@@ -37,7 +37,7 @@ from trainer.deepspeed_clip import clip_grads, grad_norm_order
 from trainer.deepspeed_io import load_official
 from trainer.deepspeed_lora import attach_lora
 from trainer.deepspeed_module import K3Module
-from zerokl.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTENSIONS_DIR = ROOT / ".cache" / "torch_extensions"

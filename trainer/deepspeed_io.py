@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parity.weights import text_names
 from trainer.deepspeed_module import K3Module
-from zerokl.checkpoint import CheckpointError, save_checkpoint
+from parity.io.checkpoint import CheckpointError, save_checkpoint
 
 if TYPE_CHECKING:
     from trainer.deepspeed_backend import DeepSpeedTrainer

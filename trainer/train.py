@@ -21,7 +21,7 @@ from trainer.checkpoint_io import load_adapter, load_official
 from trainer.config import k3_transformer_config
 from trainer.modules import K3Model
 from trainer.parallel import ParallelContext
-from zerokl.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 
 @dataclass

@@ -17,7 +17,7 @@ from lora.spec import AdapterError
 from parity.checker import DumpError
 from zerokl import parity_cmd, plan
 from zerokl.ppo import cli as ppo_cli
-from zerokl.checkpoint import CheckpointError, init_checkpoint
+from parity.io.checkpoint import CheckpointError, init_checkpoint
 
 USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError)
 

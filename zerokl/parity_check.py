@@ -23,7 +23,7 @@ from parity.config import ModelConfig
 from parity.diagnose import Divergence, diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
-from zerokl.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 from zerokl.tasks import make_task
 
 ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
@@ -188,7 +188,7 @@ def selftest(checker: Checker, prompts: list[list[int]], trials: int = 20, seed:
     `check` must fail and the diagnosis must name the block that tensor feeds. A draw whose change alters no
     sampled log-prob (verified through the shared forward) has nothing to detect and is redrawn, counted."""
     from parity.weights import text_specs
-    from zerokl.sync.bundle import WeightBundle
+    from parity.sync.bundle import WeightBundle
 
     rng = random.Random(seed)
     base = {n: checker.tensors[n].to(torch.float32) for n in text_specs(checker.cfg.text)}

@@ -28,7 +28,7 @@ from parity.reference.moe import moe_layer
 from parity.reference.ops import gated_mlp, glu_activation, linear, rms_norm
 from parity.reference.residual import ResidualStream
 from parity.weights import text_names, text_specs
-from zerokl.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 
 class ReferenceWeightsError(ValueError):
@@ -66,7 +66,7 @@ class ReferenceK3:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ReferenceK3:
-        """Load an official-format checkpoint directory (`zerokl.checkpoint.load_checkpoint`)."""
+        """Load an official-format checkpoint directory (`parity.io.checkpoint.load_checkpoint`)."""
         cfg, weights = load_checkpoint(path)
         return cls(cfg.text, weights)
 

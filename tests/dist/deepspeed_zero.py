@@ -27,7 +27,7 @@ from trainer.deepspeed_backend import build_deepspeed_trainer, destroy, init_dis
 from trainer.deepspeed_io import export_official
 from trainer.deepspeed_lora import export_adapter
 from trainer.logprobs import PaddedBatch, token_logprobs
-from zerokl.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 STEPS = 2
 TEMPERATURE = 0.7

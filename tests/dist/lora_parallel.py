@@ -26,7 +26,7 @@ from trainer.logprobs import PaddedBatch, token_logprobs
 from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.sharding import lora_splits, shard, split_of
 from trainer.train import build_model, train_step, wrap
-from zerokl.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 TEMPERATURE = 0.7
 CLIP_GRAD = 1.0

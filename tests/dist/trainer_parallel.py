@@ -24,7 +24,7 @@ from trainer.modules import K3Model
 from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.sharding import shard, split_roles
 from trainer.train import train_step, wrap
-from zerokl.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 TEMPERATURE = 0.7
 CLIP_GRAD = 1.0

@@ -45,11 +45,11 @@ from parity.diagnose import diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.weights import text_specs
-from zerokl.checkpoint import init_checkpoint
+from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import grpo_advantages, ppo_loss
 from zerokl.ppo.config import PPOConfig
-from zerokl.sync.bundle import SyncError, WeightBundle
-from zerokl.sync.transports import Disk, SyncResult, WeightSync
+from parity.sync.bundle import SyncError, WeightBundle
+from parity.sync.transports import Disk, SyncResult, WeightSync
 from zerokl.tasks import make_task
 
 METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "policy_version",

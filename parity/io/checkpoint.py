@@ -1,8 +1,8 @@
 """Official-format K3 checkpoints: seeded random initialisation, sharded safetensors I/O.
 
 A checkpoint directory holds `config.json`, `generation_config.json`, `model-0000i-of-0000n.safetensors`
-shards with `model.safetensors.index.json`, and a locally built tokenizer (`zerokl.tokenizer`).
-Tensor names and shapes come from `parity.weights` (text) and `zerokl.vision_weights` (vision tower).
+shards with `model.safetensors.index.json`, and a locally built tokenizer (`parity.io.tokenizer`).
+Tensor names and shapes come from `parity.weights` (text) and `parity.io.vision` (vision tower).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from parity.config import ConfigError, ModelConfig, load_model_config
 from parity.weights import WeightSpec, text_specs
-from zerokl.tokenizer import build_tokenizer
-from zerokl.vision_weights import vision_specs
+from parity.io.tokenizer import build_tokenizer
+from parity.io.vision import vision_specs
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

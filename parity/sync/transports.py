@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from zerokl.sync.bundle import SyncError, WeightBundle
+from parity.sync.bundle import SyncError, WeightBundle
 
 MANIFEST = "manifest.json"
 TENSORS = "weights.safetensors"

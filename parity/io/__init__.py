@@ -1,0 +1,1 @@
+"""Official-format checkpoint I/O: safetensors shards, the tokenizer, vision weight names; shared by every engine."""
