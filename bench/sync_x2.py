@@ -426,12 +426,12 @@ def trainer_check(fwd: K3Forward, reqs: list[dict], temperature: float) -> tuple
 # --- step 7: Megatron -------------------------------------------------------------------------------
 
 def megatron_groups(tp: int, ep: int) -> Any:
-    """Megatron's TP/EP groups over the running process group, as `trainer.parallel.init_parallel` builds them.
+    """Megatron's TP/EP groups over the running process group, as `trainer.megatron.parallel.init_parallel` builds them.
     That function builds the CPU trainer (gloo, compat patches) and refuses a CUDA host; on CUDA the same
     `initialize_model_parallel` call runs here over NCCL."""
     from megatron.core import parallel_state
 
-    from trainer.parallel import ParallelContext, init_parallel
+    from trainer.megatron.parallel import ParallelContext, init_parallel
 
     if not torch.cuda.is_available():
         return init_parallel(tp, ep)
@@ -451,14 +451,14 @@ def megatron_layout(cfg: ModelConfig, tp: int, ep: int, weights: dict[str, torch
     log-probs. Every rank scores every sequence (with EP, expert rows still cross ranks)."""
     from megatron.core import parallel_state
 
-    from trainer.checkpoint_io import load_adapter, load_official
-    from trainer.config import k3_transformer_config
+    from trainer.megatron.io import load_adapter, load_official
+    from trainer.megatron.config import k3_transformer_config
     from trainer.logprobs import PaddedBatch, token_logprobs
-    from trainer.modules import K3Model
+    from trainer.megatron.modules import MegatronK3Model
 
     par = megatron_groups(tp, ep)
     try:
-        model = K3Model(k3_transformer_config(cfg, par)).to(device)
+        model = MegatronK3Model(k3_transformer_config(cfg, par)).to(device)
         load_official(model, weights)
         out: dict[str, Any] = {}
         for label, reqs in (("base", rounds[0]), ("adapter", rounds[1])):

@@ -27,11 +27,11 @@ from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs
 from parity.weights import text_specs
 from rollout.plugin import TEXT_MODEL_TYPE, hf_overrides
-from trainer.checkpoint_io import export_official, load_official
+from trainer.megatron.io import export_official, load_official
 from trainer.logprobs import PaddedBatch, token_logprobs
-from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
-from trainer.sharding import Split, shard, split_roles
-from trainer.train import build_model
+from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
+from trainer.megatron.sharding import Split, shard, split_roles
+from trainer.megatron.train import build_model
 from zerokl import cli
 from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
 from zerokl.ppo.config import load_ppo_config

@@ -22,10 +22,10 @@ from lora.merge import merge_checkpoint
 from parity.config import ModelConfig, load_model_config, parse_model_config
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
-from trainer.checkpoint_io import export_adapter, save_adapter, save_adapter_state
+from trainer.megatron.io import export_adapter, save_adapter, save_adapter_state
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
-from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
-from trainer.train import Trainer, build_model, build_trainer, train_step
+from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
+from trainer.megatron.train import Trainer, build_model, build_trainer, train_step
 from parity.io.checkpoint import init_checkpoint, load_checkpoint, random_weights
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ alone. `zerokl ppo --backend deepspeed --nproc-per-node 2` (ZeRO-3, every parame
 ranks) against `zerokl ppo` on the Megatron backend from the same seed, `STEPS` steps: KL exactly 0 at every step on
 both, the same rollouts (rewards, PPO loss and grad norm of every step, which are functions of every sampled token
 and log-prob, are equal) and bitwise equal fp32 weights at every checkpoint, including the final one. The same
-comparison over 20 steps was run by hand (trainer/DEEPSPEED.md). User mistakes exit 2 before anything starts.
+comparison over 20 steps was run by hand (trainer/deepspeed/README.md). User mistakes exit 2 before anything starts.
 """
 
 from __future__ import annotations

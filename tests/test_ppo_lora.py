@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from parity.weights import text_specs
-from trainer.backend import ADAPTER_DIR
+from trainer.base import ADAPTER_DIR
 from parity.io.checkpoint import load_checkpoint
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun

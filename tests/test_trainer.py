@@ -18,15 +18,15 @@ from parity.kernels.moe import experts_combine
 from parity.model import K3Forward, K3Weights, decode_logprobs
 from parity.reference import ReferenceK3
 from parity.weights import text_specs
-from trainer import megatron_cpu_compat
-from trainer.checkpoint_io import export_official, load_official, load_official_dir
-from trainer.config import k3_transformer_config
-from trainer.forward import fold_slots
+from trainer.megatron import cpu_compat
+from trainer.megatron.io import export_official, load_official, load_official_dir
+from trainer.megatron.config import k3_transformer_config
+from trainer.megatron.forward import fold_slots
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
-from trainer.modules import K3Model
-from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
-from trainer.sharding import Split, split_of, split_roles
-from trainer.train import build_model, build_trainer, train_step
+from trainer.megatron.modules import MegatronK3Model
+from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
+from trainer.megatron.sharding import Split, split_of, split_roles
+from trainer.megatron.train import build_model, build_trainer, train_step
 from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint, random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,15 +89,15 @@ def test_column_shards_keep_the_gemm_bits(official: tuple[ModelConfig, dict[str,
 
 
 def test_cpu_compat_wraps_exactly_the_listed_spots() -> None:
-    applied = megatron_cpu_compat.apply()
-    assert applied == megatron_cpu_compat.apply()  # idempotent
-    assert len(applied) == len(megatron_cpu_compat.PATCHES) and all("megatron/core/" in a for a in applied)
+    applied = cpu_compat.apply()
+    assert applied == cpu_compat.apply()  # idempotent
+    assert len(applied) == len(cpu_compat.PATCHES) and all("megatron/core/" in a for a in applied)
 
 
 def test_load_export_round_trip_is_bitwise(par: ParallelContext, checkpoint: Path,
                                            official: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     cfg, weights = official
-    model = K3Model(k3_transformer_config(cfg, par))
+    model = MegatronK3Model(k3_transformer_config(cfg, par))
     loaded = load_official_dir(model, checkpoint)
     assert sorted(loaded) == sorted(text_specs(cfg.text))
     assert model.passthrough and all(not n.startswith("language_model.") for n in model.passthrough)

@@ -20,8 +20,9 @@ from parity.kernels import INVARIANT
 from parity.kernels.linear import LoRA, linear_invariant
 from parity.model import K3Forward, K3Weights, score_sequences
 from parity.weights import text_specs
-from trainer.backend import ADAPTER_DIR, WEIGHTS_FILE, TrainerBackend, build_backend
-from trainer.deepspeed_linear import linear_saving_parameters
+from trainer.backend import TrainerBackend, build_backend
+from trainer.base import ADAPTER_DIR, WEIGHTS_FILE
+from trainer.deepspeed.linear import linear_saving_parameters
 from trainer.logprobs import PaddedBatch, token_logprobs
 from parity.io.checkpoint import init_checkpoint, load_checkpoint
 

@@ -19,11 +19,11 @@ from parity.config import ModelConfig
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from parity.weights import text_specs
-from trainer.deepspeed_backend import (DeepSpeedTrainer, build_deepspeed_trainer, destroy, destroy_dist, init_dist,
+from trainer.deepspeed.engine import (DeepSpeedTrainer, build_deepspeed_trainer, destroy, destroy_dist, init_dist,
                                       train_step)
-from trainer.deepspeed_io import export_official, load_official, load_state, save_official, save_state
-from trainer.deepspeed_lora import attach_lora, export_adapter, save_adapter as save_trainer_adapter
-from trainer.deepspeed_module import K3Module, Projection
+from trainer.deepspeed.io import export_official, load_official, load_state, save_official, save_state
+from trainer.deepspeed.lora import attach_lora, export_adapter, save_adapter as save_trainer_adapter
+from trainer.deepspeed.module import DeepSpeedK3Model, Projection
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
 from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
 
@@ -99,7 +99,7 @@ def test_module_tree_is_the_official_names(official: tuple[ModelConfig, dict[str
     """Parameter paths = official names; projections are `nn.Linear`s (PEFT targets) that refuse to run; every
     parameter is gathered by some ZeRO-3 block or scope."""
     cfg, _ = official
-    module = K3Module(cfg.text)
+    module = DeepSpeedK3Model(cfg.text)
     names = [n for n, _ in module.named_parameters()]
     assert sorted(names) == sorted(text_specs(cfg.text))
     assert names[:2] == ["language_model.model.embed_tokens.weight", "language_model.model.norm.weight"]
@@ -145,7 +145,7 @@ def test_export_round_trips_the_checkpoint(zero3: DeepSpeedTrainer, checkpoint: 
         assert exported[name].dtype == t.dtype and torch.equal(exported[name], t), name
     _, saved = load_checkpoint(save_official(zero3, tmp_path / "saved"))
     assert all(torch.equal(saved[n], t) for n, t in weights.items())
-    module = K3Module(cfg.text)
+    module = DeepSpeedK3Model(cfg.text)
     missing = {n: t for n, t in weights.items() if n != "language_model.layers.3.self_attn.kv_b_proj.weight"}
     with pytest.raises(CheckpointError, match="kv_b_proj"):
         load_official(module, missing)
@@ -158,9 +158,9 @@ def test_steps_equal_the_megatron_trainer_bitwise(zero_stage: int, checkpoint: P
     """Three clipped Adam steps (grad norms >> 1, weight decay on) from the same checkpoint and batches: every
     loss, grad norm and fp32 master weight equals the Megatron trainer's bit for bit; the first step lowers the
     loss of its batch."""
-    from trainer.parallel import destroy_parallel, init_parallel
-    from trainer.train import build_trainer
-    from trainer.train import train_step as megatron_step
+    from trainer.megatron.parallel import destroy_parallel, init_parallel
+    from trainer.megatron.train import build_trainer
+    from trainer.megatron.train import train_step as megatron_step
 
     par = init_parallel()
     megatron = build_trainer(checkpoint, par, lr=LR, weight_decay=0.01)
@@ -184,10 +184,10 @@ def test_lora_steps_equal_the_megatron_lora_trainer_bitwise(
         checkpoint: Path, adapter_dir: Path, official: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     """The same adapter trained 3 steps by PEFT on ZeRO-3 and by the Megatron trainer's LoRA: same losses, grad
     norms and adapter tensors, bit for bit."""
-    from trainer.checkpoint_io import export_adapter as megatron_adapter
-    from trainer.parallel import destroy_parallel, init_parallel
-    from trainer.train import build_trainer
-    from trainer.train import train_step as megatron_step
+    from trainer.megatron.io import export_adapter as megatron_adapter
+    from trainer.megatron.parallel import destroy_parallel, init_parallel
+    from trainer.megatron.train import build_trainer
+    from trainer.megatron.train import train_step as megatron_step
 
     cfg, _ = official
     par = init_parallel()
@@ -280,7 +280,7 @@ def test_lora_config_starts_as_the_base_model(checkpoint: Path,
     a = export_adapter(trainer)
     destroy(trainer)
     assert a is not None and set(a.weights) == {m for m in lora_targets(cfg.text) if a.spec.targets(m)}
-    again = K3Module(cfg.text)
+    again = DeepSpeedK3Model(cfg.text)
     attach_lora(again, config, seed=7)
     layer = dict(again.lora_layers())["language_model.layers.0.self_attn.q_proj"]
     _assert_bits(layer.lora_A["default"].weight.detach(), a.weights["language_model.layers.0.self_attn.q_proj"][0],
@@ -295,4 +295,4 @@ def test_lora_refuses_what_the_parity_forward_cannot_compute(
     """Targets `lora.targets` excludes and options `lora.spec` refuses raise `AdapterError` naming them."""
     cfg, _ = official
     with pytest.raises(AdapterError, match=match):
-        attach_lora(K3Module(cfg.text), LoraConfig(r=4, lora_alpha=4, **options))
+        attach_lora(DeepSpeedK3Model(cfg.text), LoraConfig(r=4, lora_alpha=4, **options))

@@ -24,7 +24,7 @@ import torch
 
 from lora.adapter import save_adapter
 from lora.init import random_adapter
-from trainer.deepspeed_backend import destroy_dist, init_dist
+from trainer.deepspeed.engine import destroy_dist, init_dist
 from parity.io.checkpoint import init_checkpoint, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

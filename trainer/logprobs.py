@@ -69,7 +69,7 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
 
 
 def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch, temperature: float) -> torch.Tensor:
-    """Per-token log-probs from `model` (a `K3Model`, or Megatron's DDP around one): [B, T] for a padded
+    """Per-token log-probs from `model` (a `MegatronK3Model`, or Megatron's DDP around one): [B, T] for a padded
     batch, [N] for a packed one (entry i scores token i + 1 of its sequence; 0 at each sequence's end)."""
     if isinstance(batch, PackedBatch):
         padded = batch.to_padded()

@@ -35,7 +35,6 @@ def short_conv_invariant(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor) 
 
 def short_conv_fast(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same function through `F.conv1d` (depthwise)."""
-    width = w.shape[1]
     t = x.shape[1]
     xx = _window(x, state)
     y = F.conv1d(xx.transpose(1, 2), w.unsqueeze(1), groups=w.shape[0]).transpose(1, 2)

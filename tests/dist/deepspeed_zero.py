@@ -23,9 +23,9 @@ import torch.distributed as dist
 from lora.adapter import load_lora
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from trainer.deepspeed_backend import build_deepspeed_trainer, destroy, init_dist, train_step
-from trainer.deepspeed_io import export_official
-from trainer.deepspeed_lora import export_adapter
+from trainer.deepspeed.engine import build_deepspeed_trainer, destroy, init_dist, train_step
+from trainer.deepspeed.io import export_official
+from trainer.deepspeed.lora import export_adapter
 from trainer.logprobs import PaddedBatch, token_logprobs
 from parity.io.checkpoint import load_checkpoint
 

@@ -21,11 +21,11 @@ from lora.state import read_state
 from parity.kernels import INVARIANT
 from parity.kernels.linear import LoRA
 from parity.model import K3Forward, K3Weights, score_sequences
-from trainer.checkpoint_io import export_adapter, save_adapter_state
+from trainer.megatron.io import export_adapter, save_adapter_state
 from trainer.logprobs import PaddedBatch, token_logprobs
-from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
-from trainer.sharding import lora_splits, shard, split_of
-from trainer.train import build_model, train_step, wrap
+from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
+from trainer.megatron.sharding import lora_splits, shard, split_of
+from trainer.megatron.train import build_model, train_step, wrap
 from parity.io.checkpoint import load_checkpoint
 
 TEMPERATURE = 0.7

@@ -17,13 +17,13 @@ import torch.distributed as dist
 from parity.config import ModelConfig
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from trainer.checkpoint_io import export_official, load_official_dir, save_official
-from trainer.config import k3_transformer_config
+from trainer.megatron.io import export_official, load_official_dir, save_official
+from trainer.megatron.config import k3_transformer_config
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
-from trainer.modules import K3Model
-from trainer.parallel import ParallelContext, destroy_parallel, init_parallel
-from trainer.sharding import shard, split_roles
-from trainer.train import train_step, wrap
+from trainer.megatron.modules import MegatronK3Model
+from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
+from trainer.megatron.sharding import shard, split_roles
+from trainer.megatron.train import train_step, wrap
 from parity.io.checkpoint import load_checkpoint
 
 TEMPERATURE = 0.7
@@ -74,7 +74,7 @@ def main() -> None:
     par: ParallelContext = init_parallel(args.tp, args.ep)
     tag = f"TP={par.tp} EP={par.ep} DP={par.dp}"
     model_cfg, weights = load_checkpoint(args.checkpoint)
-    model = K3Model(k3_transformer_config(model_cfg, par))
+    model = MegatronK3Model(k3_transformer_config(model_cfg, par))
     load_official_dir(model, args.checkpoint)
 
     exported = export_official(model)

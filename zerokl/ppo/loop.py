@@ -153,7 +153,7 @@ class PPORun:
     # --- setup / state ------------------------------------------------------------------------------
     @property
     def trainer(self) -> Any:
-        """The backend's own trainer (`trainer.train.Trainer` / `DeepSpeedTrainer`; `.module` is the model)."""
+        """The backend's own trainer (`trainer.megatron.train.Trainer` / `DeepSpeedTrainer`; `.module` is the model)."""
         return self.backend.trainer
 
     def _after_sync(self, bundle: WeightBundle, result: SyncResult) -> None:
@@ -379,7 +379,7 @@ def initial_adapter(cfg: PPOConfig, checkpoint: Path, resume: Path | None) -> Ad
     from lora.adapter import load_adapter
     from lora.init import peft_default_adapter
     from parity.config import load_model_config
-    from trainer.backend import ADAPTER_DIR
+    from trainer.base import ADAPTER_DIR
 
     text = load_model_config(checkpoint).text
     if resume is not None:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from parity.kernels import INVARIANT, Kernels
+from parity.kernels.registry import INVARIANT, Kernels
 from parity.kernels.triton import attention, attn_res, conv, kda, linear, logprobs, moe, rowwise
 from parity.kernels.triton.attention import attention_paged
 from parity.kernels.triton.kda import KDAChunkState

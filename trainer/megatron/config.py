@@ -15,8 +15,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parity.config import ModelConfig
 from parity.kernels import BACKENDS
-from trainer.parallel import ParallelContext
-from trainer.sharding import check_divisible
+from trainer.megatron.parallel import ParallelContext
+from trainer.megatron.sharding import check_divisible
 
 
 @dataclass

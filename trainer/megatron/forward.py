@@ -1,10 +1,10 @@
 """The shared K3 forward (`parity.model.K3Forward`) on one rank's shards, with Megatron's TP/EP communication.
 
 Every arithmetic op is the parity forward's; this file only moves tensors, with Megatron's autograd-aware
-mappings, so that each token's log-prob keeps the bits of the one-process forward (`trainer/README.md`):
+mappings, so that each token's log-prob keeps the bits of the one-process forward (`trainer/megatron/README.md`):
 
 - column-parallel projections run this rank's heads (`K3Forward` sees a config with heads / TP); a GEMM's
-  column has the same bits whatever the matrix width (measured for widths >= 12, see `trainer.sharding`);
+  column has the same bits whatever the matrix width (measured for widths >= 12, see `trainer.megatron.sharding`);
 - row-parallel projections all-gather the input activations and the weight shards (concatenation is exact)
   and run the whole GEMM, so the reduction order is the one-process order;
 - the vocab-parallel embedding adds exact zeros; lm_head logits are all-gathered before the log-softmax;
@@ -18,14 +18,14 @@ the region input and the region's replicated parameters are entered through `cop
 TP); gathers split the gradient back to the shard. With TP = EP = 1 every mapping is the identity.
 
 LoRA: `K3Weights.lora` holds each adapted weight's (A, B, scale) as `lora_view` places them
-(`trainer.sharding.lora_splits`); the parity linear adds scale * ((x A^T) B^T) inside the same `_lin` call
+(`trainer.megatron.sharding.lora_splits`); the parity linear adds scale * ((x A^T) B^T) inside the same `_lin` call
 as the base GEMM, so ROW / COLUMN_GATHERED / COLUMN handling applies to the LoRA term unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,12 +43,23 @@ from parity.kernels import get_kernels
 from parity.kernels.linear import LoRA
 from parity.kernels.moe import experts_combine
 from parity.model import K3Forward, K3Weights, KDACache, MLACache
-from trainer.sharding import Split, lora_splits, split_of, split_roles
+from trainer.megatron.sharding import Split, lora_splits, split_of, split_roles
 
 if TYPE_CHECKING:
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    from trainer.modules import K3Model
+
+class ShardedModel(Protocol):
+    """What the parallel forward reads of the Megatron model (`trainer.megatron.modules.MegatronK3Model`): its config,
+    its official-named parameter shards, its LoRA modules and scales, and `model.embed_tokens`."""
+
+    config: Any
+    model: Any
+    lora_scales: dict[str, float]
+
+    def official_parameters(self) -> dict[str, torch.nn.Parameter]: ...
+
+    def lora_module(self, base: str) -> Any: ...
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -71,7 +82,7 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(x, group=group))
 
 
-def parameter_view(model: K3Model, roles: dict[str, Split], tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+def parameter_view(model: ShardedModel, roles: dict[str, Split], tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
     """Official name -> the tensor the parity forward reads: the live parameter, gathered for ROW (dim 1) and
     COLUMN_GATHERED (dim 0) weights, entered through `copy_to` for REGION_REPLICATED ones (autograd reaches
     every parameter)."""
@@ -89,7 +100,7 @@ def parameter_view(model: K3Model, roles: dict[str, Split], tp_group: dist.Proce
     return view
 
 
-def lora_view(model: K3Model, tp_group: dist.ProcessGroup) -> dict[str, LoRA]:
+def lora_view(model: ShardedModel, tp_group: dist.ProcessGroup) -> dict[str, LoRA]:
     """Official base weight name -> the LoRA the parity forward adds to it: this rank's A and B, the
     REGION_REPLICATED ones entered through `copy_to` (gradient summed over TP), with the model's scale."""
     view: dict[str, LoRA] = {}
@@ -129,7 +140,7 @@ class ParallelK3Forward(K3Forward):
         self.ep_rank = self.ep_group.rank()
 
     @classmethod
-    def for_model(cls, model: K3Model) -> ParallelK3Forward:
+    def for_model(cls, model: ShardedModel) -> ParallelK3Forward:
         """Bind `model`'s live parameters (call once per forward: the view follows the current weights)."""
         config = model.config
         text = config.k3.text

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from trainer import megatron_cpu_compat
+from trainer.megatron import cpu_compat
 
 
 @dataclass(frozen=True)
@@ -40,14 +40,14 @@ def init_parallel(tp: int = 1, ep: int = 1) -> ParallelContext:
     reused (and left up by `destroy_parallel`).
     """
     if torch.cuda.is_available():
-        raise RuntimeError("trainer.parallel builds the CPU trainer (gloo, CPU parameters); this host has a GPU")
+        raise RuntimeError("trainer.megatron.parallel builds the CPU trainer (gloo, CPU parameters); this host has a GPU")
     owns = not dist.is_initialized()
     if owns:
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group("gloo")
         else:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    megatron_cpu_compat.apply()
+    cpu_compat.apply()
     world = dist.get_world_size()
     if world % tp or world % ep:
         raise ValueError(f"world size {world} must be divisible by tp = {tp} and ep = {ep}")

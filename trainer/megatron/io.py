@@ -2,12 +2,12 @@
 the config allows.
 
 Load: every rank reads the whole official checkpoint (what `zerokl init-checkpoint` writes and vLLM loads) and
-copies its shard (`trainer.sharding`) into the fp32 master parameters. Export: shards are all-gathered over TP
+copies its shard (`trainer.megatron.sharding`) into the fp32 master parameters. Export: shards are all-gathered over TP
 (concatenation along the split dim) and experts over EP, then cast back to each tensor's checkpoint dtype. A
 load followed by an export returns the checkpoint bit for bit (bf16 -> fp32 -> bf16 is exact), whatever the split.
 
 LoRA adapters (`lora.adapter.Adapter`, PEFT format) go the same way: `load_adapter` attaches them and copies
-this rank's shard (`trainer.sharding.lora_splits`), `export_adapter` gathers them whole; load -> export is
+this rank's shard (`trainer.megatron.sharding.lora_splits`), `export_adapter` gathers them whole; load -> export is
 bitwise (fp32 both ways).
 """
 
@@ -24,14 +24,14 @@ from lora.adapter import Adapter, validate
 from lora.adapter import save_adapter as write_adapter
 from lora.state import write_shard
 from lora.targets import tensor_name
-from trainer.modules import K3Model, local_experts
-from trainer.sharding import Split, lora_splits, shard, split_of, split_roles
+from trainer.megatron.modules import MegatronK3Model, local_experts
+from trainer.megatron.sharding import Split, lora_splits, shard, split_of, split_roles
 from parity.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
 
-def load_official(model: K3Model, weights: dict[str, torch.Tensor]) -> list[str]:
+def load_official(model: MegatronK3Model, weights: dict[str, torch.Tensor]) -> list[str]:
     """Copy this rank's shard of every official text tensor into `model`; returns the names loaded here.
 
     Fails naming the first missing text tensor, unexpected text tensor, or shape mismatch; tensors outside the
@@ -61,7 +61,7 @@ def load_official(model: K3Model, weights: dict[str, torch.Tensor]) -> list[str]
     return loaded
 
 
-def load_official_dir(model: K3Model, path: str | Path) -> list[str]:
+def load_official_dir(model: MegatronK3Model, path: str | Path) -> list[str]:
     """`load_official` from a checkpoint directory (`parity.io.checkpoint.load_checkpoint` validates it)."""
     _, weights = load_checkpoint(path)
     return load_official(model, weights)
@@ -73,7 +73,7 @@ def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor
     return torch.cat(parts, dim=dim)
 
 
-def export_official(model: K3Model, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
+def export_official(model: MegatronK3Model, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor, whole and in its checkpoint dtype, on every rank (collective: all ranks call).
 
     compute_dtype: keep the trained text tensors in the parameters' dtype (fp32 master weights) instead of
@@ -102,7 +102,7 @@ def export_official(model: K3Model, compute_dtype: bool = False) -> dict[str, to
     return out
 
 
-def save_official(model: K3Model, out: str | Path) -> Path:
+def save_official(model: MegatronK3Model, out: str | Path) -> Path:
     """Export and write an official checkpoint directory from rank 0 (collective: all ranks call)."""
     weights = export_official(model)
     path = Path(out)
@@ -112,8 +112,8 @@ def save_official(model: K3Model, out: str | Path) -> Path:
     return path
 
 
-def load_adapter(model: K3Model, adapter: Adapter) -> list[str]:
-    """Attach a LoRA for every module of `adapter` (freezing the base, `K3Model.add_lora`) and copy this rank's
+def load_adapter(model: MegatronK3Model, adapter: Adapter) -> list[str]:
+    """Attach a LoRA for every module of `adapter` (freezing the base, `MegatronK3Model.add_lora`) and copy this rank's
     shard of A and B into it; returns the official base weight names adapted. Validates `adapter` first."""
     validate(adapter, model.config.k3.text)
     spec = adapter.spec
@@ -130,7 +130,7 @@ def load_adapter(model: K3Model, adapter: Adapter) -> list[str]:
     return list(model.lora_scales)
 
 
-def export_adapter(model: K3Model) -> Adapter:
+def export_adapter(model: MegatronK3Model) -> Adapter:
     """The model's LoRA adapter, whole and fp32, on every rank (collective: all ranks call)."""
     if model.lora_spec is None:
         raise ValueError("the model carries no LoRA adapter (attach one with load_adapter)")
@@ -144,7 +144,7 @@ def export_adapter(model: K3Model) -> Adapter:
     return Adapter(model.lora_spec, weights)
 
 
-def save_adapter(model: K3Model, out: str | Path) -> Path:
+def save_adapter(model: MegatronK3Model, out: str | Path) -> Path:
     """`export_adapter`, written as a PEFT adapter directory from rank 0 (collective: all ranks call)."""
     adapter = export_adapter(model)
     path = Path(out)
@@ -154,7 +154,7 @@ def save_adapter(model: K3Model, out: str | Path) -> Path:
     return path
 
 
-def save_adapter_state(model: K3Model, out: str | Path) -> Path:
+def save_adapter_state(model: MegatronK3Model, out: str | Path) -> Path:
     """The trainer's adapter checkpoint: each TP rank of data-parallel replica 0 writes its own shard of A and B
     (`lora.state`; no gather), then all ranks meet at a barrier. `zerokl lora export` reassembles the shards."""
     if model.lora_spec is None:

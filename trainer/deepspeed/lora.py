@@ -1,4 +1,4 @@
-"""PEFT LoRA on the DeepSpeed trainer's `K3Module`, in the adapter format of `zerokl lora` (`lora/`).
+"""PEFT LoRA on the DeepSpeed trainer's `DeepSpeedK3Model`, in the adapter format of `zerokl lora` (`lora/`).
 
 `attach_lora` runs PEFT's `get_peft_model` on the module: every targeted `Projection` becomes a PEFT `lora.Linear`
 whose `lora_A` / `lora_B` / `scaling` the module's forward hands to the parity linear as
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,11 +23,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from lora.adapter import Adapter, load_adapter, validate
 from lora.spec import AdapterError, LoraSpec
 from lora.targets import lora_targets, unsupported_reason
-from trainer.deepspeed_io import gathered
-from trainer.deepspeed_module import K3Module
-
-if TYPE_CHECKING:
-    from trainer.deepspeed_backend import DeepSpeedTrainer
+from trainer.deepspeed.io import gathered
+from trainer.deepspeed.module import DeepSpeedK3Model
+from trainer.deepspeed.trainer import DeepSpeedTrainer
 
 ADAPTER = "default"  # PEFT's adapter name
 
@@ -39,12 +37,12 @@ def lora_spec(config: LoraConfig) -> LoraSpec:
     return LoraSpec.from_peft(raw)
 
 
-def attach_lora(module: K3Module, lora: LoraConfig | Adapter | str | Path, seed: int = 0) -> PeftModel:
+def attach_lora(module: DeepSpeedK3Model, lora: LoraConfig | Adapter | str | Path, seed: int = 0) -> PeftModel:
     """`get_peft_model(module, ...)` with a `LoraConfig` (PEFT's initialisation: A kaiming-uniform drawn under
     `seed`, the same on every rank; B = 0), a `lora.adapter.Adapter` (its spec as PEFT config, its tensors) or an
     adapter directory (its config, and its tensors after `lora.adapter.load_adapter` validated them). Freezes every
     base parameter. The PEFT config is made task-less, so the PeftModel passes `(input_ids, lens, temperature)`
-    straight to `K3Module.forward`."""
+    straight to `DeepSpeedK3Model.forward`."""
     adapter: Adapter | None = None
     if isinstance(lora, Adapter):
         adapter = validate(lora, module.cfg)

@@ -1,6 +1,6 @@
 """Building and stepping the trainer: K3 model on Megatron, Megatron's DDP, Megatron's optimizer (fp32, CPU).
 
-`build_trainer` loads an official checkpoint into a fresh `K3Model` at the current TP/EP sizes and wraps it;
+`build_trainer` loads an official checkpoint into a fresh `MegatronK3Model` at the current TP/EP sizes and wraps it;
 `train_step` is one forward/backward/step on a caller-supplied loss of the per-token log-probs. With an
 `adapter` (LoRA), the base is frozen: Megatron's DDP and optimizer see only the adapter's parameters.
 """
@@ -17,28 +17,28 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 
 from lora.adapter import Adapter
 from parity.config import ModelConfig
-from trainer.checkpoint_io import load_adapter, load_official
-from trainer.config import k3_transformer_config
-from trainer.modules import K3Model
-from trainer.parallel import ParallelContext
+from trainer.megatron.io import load_adapter, load_official
+from trainer.megatron.config import k3_transformer_config
+from trainer.megatron.modules import MegatronK3Model
+from trainer.megatron.parallel import ParallelContext
 from parity.io.checkpoint import load_checkpoint
 
 
 @dataclass
 class Trainer:
-    """The wrapped model (call it like `K3Model`), its unwrapped module, and Megatron's optimizer."""
+    """The wrapped model (call it like `MegatronK3Model`), its unwrapped module, and Megatron's optimizer."""
 
     model: DistributedDataParallel
-    module: K3Model
+    module: MegatronK3Model
     optimizer: MegatronOptimizer
 
 
 def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: ParallelContext,
                 kernels: str = "invariant", params_dtype: torch.dtype = torch.float32,
-                adapter: Adapter | None = None) -> K3Model:
-    """A `K3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names), and of
+                adapter: Adapter | None = None) -> MegatronK3Model:
+    """A `MegatronK3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names), and of
     `adapter` when given (then every base parameter is frozen)."""
-    model = K3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
+    model = MegatronK3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
     load_official(model, weights)
     if adapter is not None:
         load_adapter(model, adapter)
@@ -53,7 +53,7 @@ def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_
     return wrap(build_model(model_cfg, weights, par, kernels, adapter=adapter), lr, clip_grad, weight_decay)
 
 
-def wrap(module: K3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Trainer:
+def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Trainer:
     """Megatron DDP around `module` and `get_megatron_optimizer` (Adam, fp32, no distributed optimizer)."""
     ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,

@@ -138,7 +138,7 @@ def split_roles(cfg: TextConfig) -> dict[str, Split]:
 
 
 def lora_splits(base: Split) -> tuple[Split, Split]:
-    """Placement of (A, B) of a LoRA on a base weight placed as `base` (see trainer/README.md, LoRA):
+    """Placement of (A, B) of a LoRA on a base weight placed as `base` (see trainer/megatron/README.md, LoRA):
 
     - COLUMN: A whole (used inside the TP region: gradient summed over TP), B split by rows like the base,
       so each rank adds the LoRA term of its own output columns;

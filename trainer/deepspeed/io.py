@@ -1,7 +1,7 @@
 """Official checkpoints and resumable state in and out of the DeepSpeed trainer, at any ZeRO stage.
 
 Load: the official checkpoint (what `zerokl init-checkpoint` writes and vLLM loads) is copied into the fp32 master
-parameters of a fresh `K3Module` before `deepspeed.initialize` partitions them. Export: ZeRO-3 parameters are
+parameters of a fresh `DeepSpeedK3Model` before `deepspeed.initialize` partitions them. Export: ZeRO-3 parameters are
 gathered one at a time (`deepspeed.zero.GatheredParameters`) and only the receiving rank keeps a copy, cast back
 to each tensor's checkpoint dtype; a load followed by an export returns the checkpoint bit for bit (bf16 -> fp32
 -> bf16 is exact). Resumable state (masters, Adam moments, step counts) is DeepSpeed's own checkpoint, one file
@@ -11,22 +11,20 @@ per rank.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from parity.weights import text_names
-from trainer.deepspeed_module import K3Module
+from trainer.deepspeed.module import DeepSpeedK3Model
+from trainer.deepspeed.trainer import DeepSpeedTrainer
 from parity.io.checkpoint import CheckpointError, save_checkpoint
-
-if TYPE_CHECKING:
-    from trainer.deepspeed_backend import DeepSpeedTrainer
 
 STATE_TAG = "state"
 
 
-def load_official(module: K3Module, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.dtype],
+def load_official(module: DeepSpeedK3Model, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.dtype],
                                                                                 dict[str, torch.Tensor]]:
     """Copy every official text tensor into `module` (before `deepspeed.initialize`). Returns (checkpoint dtype
     per text tensor, the non-text tensors, kept verbatim). Fails naming the first missing, unexpected or
@@ -57,10 +55,10 @@ def gathered(params: list[torch.nn.Parameter]) -> Any:
 def export_official(trainer: DeepSpeedTrainer, compute_dtype: bool = False, rank: int = 0) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor, whole and in its checkpoint dtype, on `rank`; the other ranks get {}. Collective.
     `compute_dtype`: text tensors as the fp32 master weights instead (what a weight sync must send: the bits the
-    trainer computes with), like `trainer.checkpoint_io.export_official`.
+    trainer computes with), like `trainer.megatron.io.export_official`.
 
     Only `rank` accumulates the model; every rank holds at most one gathered parameter beyond its partitions.
-    The base weights are exported whether or not LoRA is on (the adapter: `trainer.deepspeed_lora`)."""
+    The base weights are exported whether or not LoRA is on (the adapter: `trainer.deepspeed.lora`)."""
     me = dist.get_rank()
     out: dict[str, torch.Tensor] = {}
     for name, p in trainer.module.official_parameters().items():

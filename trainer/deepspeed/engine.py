@@ -1,17 +1,17 @@
-"""The DeepSpeed (ZeRO) trainer backend: `K3Module` under `deepspeed.initialize`, optional PEFT LoRA, same log-probs.
+"""The DeepSpeed (ZeRO) trainer backend: `DeepSpeedK3Model` under `deepspeed.initialize`, optional PEFT LoRA, same log-probs.
 
-`build_deepspeed_trainer` loads an official checkpoint into a `K3Module` (fp32 masters, `trainer.deepspeed_io`),
-optionally wraps it with PEFT (`trainer.deepspeed_lora`: a `LoraConfig` or an adapter directory), and hands it to
+`build_deepspeed_trainer` loads an official checkpoint into a `DeepSpeedK3Model` (fp32 masters, `trainer.deepspeed.io`),
+optionally wraps it with PEFT (`trainer.deepspeed.lora`: a `LoraConfig` or an adapter directory), and hands it to
 `deepspeed.initialize` with a client `torch.optim.AdamW` at ZeRO stage 1, 2 or 3. The `DeepSpeedTrainer` it
 returns has the surface the PPO loop uses on the Megatron `Trainer`: `.model` is callable as
 `model(input_ids, lens, temperature) -> [B, T]` log-probs (so `trainer.logprobs.token_logprobs` works), and
 `train_step(trainer, loss_fn) -> (loss, grad_norm)`.
 
 Numerics: the forward is the shared parity forward; DeepSpeed's gradient clipping is off and
-`trainer.deepspeed_clip` clips with Megatron's arithmetic; the optimizer is torch's AdamW with megatron-core's
+`trainer.deepspeed.clip` clips with Megatron's arithmetic; the optimizer is torch's AdamW with megatron-core's
 defaults (betas 0.9 / 0.999, eps 1e-8) and `weight_decay` on every trainable parameter, as zerokl's Megatron
 trainer applies it (its optimizer groups carry a wd multiplier that only Megatron's lr/wd scheduler reads, and it
-runs none). trainer/DEEPSPEED.md lists what this makes bitwise equal to the Megatron trainer.
+runs none). trainer/deepspeed/README.md lists what this makes bitwise equal to the Megatron trainer.
 
 Process group: gloo, from the launcher's environment (torchrun / `deepspeed`), or a one-rank in-memory store.
 DeepSpeed JIT-compiles its `deepspeed_shm_comm` op when it sets up communication, into `TORCH_EXTENSIONS_DIR`;
@@ -23,52 +23,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig
 
 from lora.adapter import Adapter
-from parity.config import ModelConfig
-from trainer.deepspeed_clip import clip_grads, grad_norm_order
-from trainer.deepspeed_io import load_official
-from trainer.deepspeed_lora import attach_lora
-from trainer.deepspeed_module import K3Module
+from trainer.deepspeed.clip import clip_grads, grad_norm_order
+from trainer.deepspeed.io import load_official
+from trainer.deepspeed.lora import attach_lora
+from trainer.deepspeed.module import DeepSpeedK3Model
+from trainer.deepspeed.trainer import DeepSpeedTrainer
 from parity.io.checkpoint import load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTENSIONS_DIR = ROOT / ".cache" / "torch_extensions"
 ZERO_STAGES = (1, 2, 3)
 ADAM_BETAS = (0.9, 0.999)  # megatron-core OptimizerConfig defaults
 ADAM_EPS = 1e-8
-
-
-@dataclass
-class DeepSpeedTrainer:
-    """DeepSpeed's engine (call it like `K3Module`), the unwrapped `K3Module`, the PEFT wrapper when LoRA is on.
-
-    `storage_dtypes` / `passthrough` keep each text tensor's checkpoint dtype and the non-text tensors (vision
-    tower), so `trainer.deepspeed_io.export_official` writes back what was loaded. `norm_order`: the trainable
-    parameters in Megatron's grad-norm order. Resumable state: `trainer.deepspeed_io.save_state` / `load_state`
-    (the engine's optimizer state is partitioned; there is no whole `optimizer.state_dict()`)."""
-
-    engine: Any  # deepspeed.DeepSpeedEngine
-    module: K3Module
-    peft: PeftModel | None
-    model_cfg: ModelConfig
-    clip_grad: float
-    storage_dtypes: dict[str, torch.dtype]
-    passthrough: dict[str, torch.Tensor]
-    norm_order: list[tuple[str, torch.nn.Parameter]]
-    owns_process_group: bool
-
-    @property
-    def model(self) -> Any:
-        """What `loss_fn` receives: `model(input_ids, lens, temperature) -> [B, T]` log-probs."""
-        return self.engine
 
 
 def init_dist() -> bool:
@@ -76,7 +50,7 @@ def init_dist() -> bool:
     call started the process group. Sets TORCH_EXTENSIONS_DIR (project cache) and, for one process without a
     launcher, LOCAL_RANK = 0 when unset."""
     if torch.cuda.is_available():
-        raise RuntimeError("trainer.deepspeed_backend builds the CPU trainer (gloo, CPU parameters); "
+        raise RuntimeError("trainer.deepspeed.engine builds the CPU trainer (gloo, CPU parameters); "
                            "this host has a GPU")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(EXTENSIONS_DIR))
     owns = not dist.is_initialized()
@@ -116,7 +90,7 @@ def build_deepspeed_trainer(checkpoint: str | Path, lr: float, zero_stage: int =
                             lora: LoraConfig | Adapter | str | Path | None = None, clip_grad: float = 1.0,
                             weight_decay: float = 0.0, seed: int = 0,
                             persistence_threshold: int = 100_000) -> DeepSpeedTrainer:
-    """Load `checkpoint` (official format) into a `K3Module`, optionally put PEFT LoRA on it (`lora`: a `LoraConfig`,
+    """Load `checkpoint` (official format) into a `DeepSpeedK3Model`, optionally put PEFT LoRA on it (`lora`: a `LoraConfig`,
     a `lora.adapter.Adapter` or an adapter directory; only the adapter trains), and initialise DeepSpeed ZeRO
     `zero_stage` with torch AdamW (`lr`, Megatron's betas/eps, `weight_decay`); `clip_grad` is Megatron's max grad
     norm (0: no clipping). ZeRO-3 keeps parameters of fewer than `persistence_threshold` elements whole on every rank
@@ -126,7 +100,7 @@ def build_deepspeed_trainer(checkpoint: str | Path, lr: float, zero_stage: int =
     import deepspeed
 
     model_cfg, weights = load_checkpoint(checkpoint)
-    module = K3Module(model_cfg.text, kernels)
+    module = DeepSpeedK3Model(model_cfg.text, kernels)
     storage_dtypes, passthrough = load_official(module, weights)
     del weights
     peft = None if lora is None else attach_lora(module, lora, seed)
@@ -142,7 +116,7 @@ def build_deepspeed_trainer(checkpoint: str | Path, lr: float, zero_stage: int =
 
 def train_step(trainer: DeepSpeedTrainer, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[float, float]:
     """loss = loss_fn(trainer.model), DeepSpeed backward (gradients averaged over data-parallel ranks), Megatron's
-    grad norm and clipping (`trainer.deepspeed_clip`), optimizer step (DeepSpeed zeroes the gradients).
+    grad norm and clipping (`trainer.deepspeed.clip`), optimizer step (DeepSpeed zeroes the gradients).
 
     Returns (loss, grad norm before clipping). Collective."""
     loss = loss_fn(trainer.engine)

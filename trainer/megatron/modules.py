@@ -7,10 +7,10 @@ so the sharding table, the loader and the exporter share one naming. Head- and c
 experts expert-parallel linears in a ModuleDict keyed by the *global* expert index (an EP rank names its experts
 as the checkpoint does); norms, KDA gate parameters, conv kernels and the router are plain parameters.
 
-No block has numerics of its own: `K3Model.forward` gives the live parameters to the shared forward in
-`parity.model` through `trainer.forward.ParallelK3Forward`, which adds the TP/EP communication.
+No block has numerics of its own: `MegatronK3Model.forward` gives the live parameters to the shared forward in
+`parity.model` through `trainer.megatron.forward.ParallelK3Forward`, which adds the TP/EP communication.
 
-LoRA (`K3Model.add_lora`): a target projection gets two children named as PEFT names them, `lora_A` ([r, in])
+LoRA (`MegatronK3Model.add_lora`): a target projection gets two children named as PEFT names them, `lora_A` ([r, in])
 and `lora_B` ([out, r]), each holding a `weight`; the base parameters are frozen. `lora_splits` places them.
 """
 
@@ -31,10 +31,10 @@ from torch import nn
 
 from lora.spec import LoraSpec
 from parity.weights import kda_specs, text_names, text_specs
-from trainer.config import K3TransformerConfig
-from trainer.forward import ParallelK3Forward
+from trainer.megatron.config import K3TransformerConfig
+from trainer.megatron.forward import ParallelK3Forward
 from trainer.logprobs import padded_logprobs
-from trainer.sharding import lora_splits, split_of
+from trainer.megatron.sharding import lora_splits, split_of
 
 LORA_PARTS = ("lora_A", "lora_B")
 
@@ -226,7 +226,7 @@ class DecoderLayer(MegatronModule):
             self.mlp_res_proj = Weight(_param(config, 1, h))
 
 
-class Embeddings(nn.Module):
+class ModelGroup(nn.Module):
     """The official `model.` group: vocab-parallel embedding, [the decoder layers,] final norm, output AttnRes
     scorer. `layers` is given where the family keeps them in this group (Kimi Linear: `model.layers`)."""
 
@@ -245,14 +245,14 @@ class Embeddings(nn.Module):
             self.output_attn_res_proj = Weight(_param(config, 1, h))
 
 
-class K3Model(MegatronModule):
+class MegatronK3Model(MegatronModule):
     """The K3 text model on Megatron. `forward(input_ids, lens, temperature)` -> per-token log-probs [B, T].
 
-    Parameters are fp32 masters (`config.params_dtype`) filled by `trainer.checkpoint_io.load_official`;
+    Parameters are fp32 masters (`config.params_dtype`) filled by `trainer.megatron.io.load_official`;
     `passthrough` keeps the checkpoint's non-text tensors (vision tower) and `storage_dtypes` each text
     tensor's checkpoint dtype, so an export writes back exactly what was loaded. `lora_scales` maps each
     official base weight name that carries a LoRA (`add_lora`) to its scale; `lora_spec` is the adapter's
-    config (set by `trainer.checkpoint_io.load_adapter`, kept for export).
+    config (set by `trainer.megatron.io.load_adapter`, kept for export).
     """
 
     def __init__(self, config: K3TransformerConfig):
@@ -262,7 +262,7 @@ class K3Model(MegatronModule):
         self.root = names.root  # official name = root + parameter name
         layers = nn.ModuleList(DecoderLayer(config, i) for i in range(c.num_hidden_layers))
         in_model = names.layers == f"{names.model}.layers"
-        self.model = Embeddings(config, layers if in_model else None)
+        self.model = ModelGroup(config, layers if in_model else None)
         if not in_model:
             self.layers = layers
         if not c.tie_word_embeddings:
@@ -289,7 +289,7 @@ class K3Model(MegatronModule):
         """Give each official base weight name in `targets` a LoRA of (rank, scale) and freeze every base parameter.
 
         A and B are uninitialised parameters in `config.params_dtype` (placed by `lora_splits`); fill them with
-        `trainer.checkpoint_io.load_adapter`. Call before wrapping in DDP (which registers trainable parameters)."""
+        `trainer.megatron.io.load_adapter`. Call before wrapping in DDP (which registers trainable parameters)."""
         if self.lora_scales:
             raise ValueError("the model already carries LoRA adapters")
         config: K3TransformerConfig = self.config

@@ -7,7 +7,7 @@ linear layer and its adapter tensors get the names `zerokl lora` and vLLM use
 (`base_model.model.<module path>.lora_A.weight`, `lora.targets`). All other tensors (norms, conv kernels, KDA gate
 parameters, router bias, AttnRes scorers, embedding) are plain parameters of container modules.
 
-`K3Module.forward` never calls a submodule's forward (a `Projection` refuses to run: `nn.Linear.forward` is
+`DeepSpeedK3Model.forward` never calls a submodule's forward (a `Projection` refuses to run: `nn.Linear.forward` is
 `F.linear`, not the parity linear). It builds `K3Weights` from the live parameters, with a PEFT layer's
 `lora_A`/`lora_B`/`scaling` as `K3Weights.lora[official name] = LoRA(a, b, scale)`, and runs the shared
 `parity.model.K3Forward` on the named parity kernels, so the log-probs have the rollout engine's bits.
@@ -36,7 +36,7 @@ from parity.kernels import get_kernels
 from parity.kernels.linear import LoRA
 from parity.model import K3Forward, K3Weights
 from parity.weights import WeightSpec, text_names, text_specs
-from trainer.deepspeed_linear import saving_parameters
+from trainer.deepspeed.linear import saving_parameters
 from trainer.logprobs import padded_logprobs
 
 LOGITS = "logits"  # scope key of the final norm + lm_head
@@ -53,7 +53,7 @@ class Projection(nn.Linear):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("K3 projections are not called; K3Module.forward runs the shared parity forward")
+        raise RuntimeError("K3 projections are not called; DeepSpeedK3Model.forward runs the shared parity forward")
 
 
 class Block(nn.Module):
@@ -65,7 +65,7 @@ class Block(nn.Module):
 
 
 class Scope(Block):
-    """A parameterless `Block` for a step whose tensors lie in several subtrees: `K3Module.bind_zero3` registers
+    """A parameterless `Block` for a step whose tensors lie in several subtrees: `DeepSpeedK3Model.bind_zero3` registers
     them on it as ZeRO-3 external parameters."""
 
 
@@ -109,7 +109,7 @@ def scope_groups(c: TextConfig) -> dict[str, tuple[str, ...]]:
 
 
 class ScopedK3Forward(K3Forward):
-    """`K3Forward` whose top-level steps run as the forward of their `Block` or `Scope` (`K3Module.runners`);
+    """`K3Forward` whose top-level steps run as the forward of their `Block` or `Scope` (`DeepSpeedK3Model.runners`);
     the arithmetic is `K3Forward`'s.
 
     A ZeRO-3 leaf block reduces its gradients in a full backward hook, which PyTorch fires once the gradient
@@ -163,14 +163,14 @@ def _is_projection(spec: WeightSpec, attr: str) -> bool:
     return attr == "weight" and spec.init == "linear" and len(spec.shape) == 2
 
 
-class K3Module(nn.Module):
+class DeepSpeedK3Model(nn.Module):
     """The K3 text model: official-name parameter tree + `forward(input_ids, lens, temperature)` -> [B, T]
     next-token log-probs (`trainer.logprobs.padded_logprobs` over the shared forward).
 
     Parameters are fp32 masters (`dtype`), left uninitialised: fill them with `load_official`
-    (`trainer.deepspeed_io`). `kernels` names the parity backend. Invariant: `named_parameters()` of an unwrapped
+    (`trainer.deepspeed.io`). `kernels` names the parity backend. Invariant: `named_parameters()` of an unwrapped
     module are exactly `text_specs(cfg)`'s names, in module-tree order (the `model.` group first, then the layers,
-    then lm_head: the order of the Megatron `K3Model`)."""
+    then lm_head: the order of the Megatron `MegatronK3Model`)."""
 
     def __init__(self, cfg: TextConfig, kernels: str = "invariant", dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -275,7 +275,7 @@ class K3Module(nn.Module):
     # --- forward -------------------------------------------------------------------------------------
     def forward_fn(self) -> K3Forward:
         """The shared forward over the live parameters and adapters (scoped for ZeRO-3); its GEMMs save the parameters,
-        not their gathered data, for the backward (`trainer.deepspeed_linear`)."""
+        not their gathered data, for the backward (`trainer.deepspeed.linear`)."""
         weights = K3Weights(self.cfg, self.official_parameters(), self.lora_terms())
         kernels = saving_parameters(get_kernels(self.kernels))
         return ScopedK3Forward(weights, kernels, self.runners(), self.leaf_blocks_with_grads)

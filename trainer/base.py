@@ -1,0 +1,130 @@
+"""`TrainerBackend`: the one surface every trainer backend implements (`trainer/megatron/`, `trainer/deepspeed/`),
+for `zerokl parity check` and `zerokl ppo` (built through `trainer.backend.build_backend`).
+
+Invariant: built from the same checkpoint (and adapter), the two backends give every token the same log-prob bits,
+the same (loss, grad norm) for the same `train_step`s, and the same exported weights, bit for bit. With an adapter
+(LoRA) only the adapter trains, the base stays the checkpoint's, and `export_weights` is the adapter.
+
+Every method is collective: all ranks call it, in the same order. Whole tensors (exports) land on rank 0; other ranks
+get {} / None.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from lora.adapter import Adapter
+from parity.config import ModelConfig
+from parity.weights import text_specs
+from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
+
+WEIGHTS_FILE = "weights.pt"  # in a saved state: every checkpoint tensor, text tensors as fp32 masters
+ADAPTER_DIR = "adapter"  # in a saved state with LoRA: the trained adapter, a PEFT directory
+
+LossFn = Callable[[Any], torch.Tensor]
+T = TypeVar("T")
+
+
+class TrainerBackend(ABC):
+    """A trainer holding the model of one checkpoint (+ adapter). `model` is what a `loss_fn` receives: callable as
+    `model(input_ids, lens, temperature) -> [B, T]` log-probs, so `trainer.logprobs.token_logprobs(model, ...)` works."""
+
+    name: str
+    model_cfg: ModelConfig
+    has_adapter: bool
+    trainer: Any  # the backend's own trainer (`trainer.megatron.train.Trainer` / `DeepSpeedTrainer`), for reaching past the seam
+
+    @property
+    @abstractmethod
+    def model(self) -> Any:
+        """The wrapped model (Megatron DDP / DeepSpeed engine)."""
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def logprobs(self, batch: PaddedBatch | PackedBatch, temperature: float) -> torch.Tensor:
+        """Next-token log-probs of every token, no grad: [B, T] for a padded batch (0 at each row's last token and on
+        padding), [N] for a packed one; the rollout engine's bits. Every rank gets them."""
+        with torch.no_grad():
+            return token_logprobs(self.model, batch, temperature)
+
+    @abstractmethod
+    def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
+        """loss = loss_fn(model), backward, Megatron's grad-norm clipping, one optimizer step; returns
+        (loss, grad norm before clipping), the same on every rank."""
+
+    @abstractmethod
+    def export_official(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor by official name: text tensors as the fp32 masters, the others (vision tower) as
+        loaded; on rank 0. Megatron's may be views of the live parameters: copy what must outlive the next step."""
+
+    @abstractmethod
+    def export_adapter(self) -> Adapter | None:
+        """The adapter as trained (`lora.adapter.Adapter`, fp32) on rank 0, None elsewhere; ValueError without one."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """What the rollout engine must run, on rank 0: the fp32 text weights by official name, or with an adapter the
+        adapter's tensors by PEFT name (`base_model.model.<module>.lora_A.weight`, `Adapter.tensors()`)."""
+        if self.has_adapter:
+            adapter = self.export_adapter()
+            return {} if adapter is None else adapter.tensors()
+        text = text_specs(self.model_cfg.text)
+        return {n: t for n, t in self.export_official().items() if n in text}
+
+    def save_state(self, path: str | Path) -> Path:
+        """Everything the next `train_step` depends on, into directory `path`: `weights.pt` (`export_official`) or,
+        with an adapter, `adapter/` (PEFT directory; the base is the checkpoint's), written by rank 0, plus the
+        optimizer state. `load_state` on a backend built the same way continues bit for bit."""
+        path = Path(path)
+        if self.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        if self.has_adapter:
+            self._save_adapter(path / ADAPTER_DIR)
+        else:
+            weights = self.export_official()
+            if self.rank == 0:
+                torch.save({n: t.clone() for n, t in weights.items()}, path / WEIGHTS_FILE)
+        self._save_optimizer(path)
+        self.barrier()
+        return path
+
+    @abstractmethod
+    def load_state(self, path: str | Path) -> None:
+        """Restore `save_state(path)` of a backend of the same kind, checkpoint, adapter config (and, for DeepSpeed,
+        ZeRO stage and world size); FileNotFoundError naming what is missing."""
+
+    @abstractmethod
+    def _save_adapter(self, out: Path) -> None:
+        """The trained adapter as a PEFT directory `out`, from rank 0."""
+
+    @abstractmethod
+    def _save_optimizer(self, path: Path) -> None:
+        """The optimizer state `load_state` reads, into directory `path`."""
+
+    def broadcast(self, obj: T | None) -> T:
+        """Rank 0's `obj` on every rank (pickled)."""
+        if self.world_size == 1:
+            return obj  # type: ignore[return-value]
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the trainer and the process group it started."""

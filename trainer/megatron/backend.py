@@ -1,0 +1,80 @@
+"""`MegatronBackend`: the Megatron-core trainer (`trainer.megatron.train`) behind `TrainerBackend`: Megatron DDP +
+Megatron Adam, one process, TP = EP = 1."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lora.adapter import Adapter, load_adapter
+from lora.spec import AdapterError
+from parity.config import ConfigError
+from trainer.base import ADAPTER_DIR, WEIGHTS_FILE, LossFn, TrainerBackend
+from trainer.megatron.io import export_adapter, export_official, load_official, save_adapter
+from trainer.megatron.parallel import destroy_parallel, init_parallel
+from trainer.megatron.train import build_trainer, train_step
+
+OPTIMIZER_FILE = "optimizer.pt"  # in a saved state: Megatron's optimizer state dict
+
+
+class MegatronBackend(TrainerBackend):
+    """`trainer.megatron.train.build_trainer` at TP = EP = 1 in this process."""
+
+    name = "megatron"
+
+    def __init__(self, checkpoint: Path, lr: float, clip_grad: float, weight_decay: float, kernels: str,
+                 adapter: Adapter | None):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError("the megatron backend runs in one process (TP = EP = 1); "
+                              "train on several processes with the deepspeed backend")
+        self.par = init_parallel(1, 1)
+        self.trainer = build_trainer(checkpoint, self.par, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
+                                     kernels=kernels, adapter=adapter)
+        self.model_cfg = self.trainer.module.config.k3
+        self.has_adapter = adapter is not None
+
+    @property
+    def model(self) -> Any:
+        return self.trainer.model
+
+    def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
+        return train_step(self.trainer, loss_fn)
+
+    def export_official(self) -> dict[str, torch.Tensor]:
+        return export_official(self.trainer.module, compute_dtype=True)
+
+    def export_adapter(self) -> Adapter | None:
+        return export_adapter(self.trainer.module)
+
+    def _save_adapter(self, out: Path) -> None:
+        save_adapter(self.trainer.module, out)
+
+    def _save_optimizer(self, path: Path) -> None:
+        torch.save(self.trainer.optimizer.state_dict(), path / OPTIMIZER_FILE)
+
+    def load_state(self, path: str | Path) -> None:
+        path = Path(path)
+        if not (path / OPTIMIZER_FILE).is_file():
+            raise FileNotFoundError(f"{path} holds no Megatron trainer state (no {OPTIMIZER_FILE})")
+        if self.has_adapter:
+            self._load_adapter(load_adapter(path / ADAPTER_DIR, self.model_cfg.text))
+        else:
+            load_official(self.trainer.module, torch.load(path / WEIGHTS_FILE))
+        self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=False))
+
+    def _load_adapter(self, adapter: Adapter) -> None:
+        """Copy `adapter`'s tensors into the attached LoRA modules (whole tensors: TP = 1)."""
+        module = self.trainer.module
+        if {f"{m}.weight" for m in adapter.weights} != set(module.lora_scales):
+            raise AdapterError("the saved adapter adapts other modules than this trainer's")
+        with torch.no_grad():
+            for m, (a, b) in adapter.weights.items():
+                target = module.lora_module(f"{m}.weight")
+                target.lora_A.weight.copy_(a)
+                target.lora_B.weight.copy_(b)
+
+    def close(self) -> None:
+        destroy_parallel(self.par)
