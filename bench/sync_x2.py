@@ -269,7 +269,7 @@ def sync(link: TorchDistributed, ranks: Ranks, make: Callable[[], WeightBundle] 
         link.send(bundle)
     else:
         assert store is not None
-        bundle = link.receive(device)
+        bundle = link.receive()
     wait(device)
     transfer_s = time.perf_counter() - t0
     error = None
@@ -514,7 +514,7 @@ def main() -> None:
     report = Report(args.json)
     cfg = load_model_config(args.config)
     kernels = get_kernels("invariant")
-    link = TorchDistributed(src=TRAINER)
+    link = TorchDistributed(src=TRAINER, device=device)
     report.add("setup", {"device": str(device), "backend": dist.get_backend(), "torch": torch.__version__,
                          "config": args.config, "gpus": [torch.cuda.get_device_name(i) for i in
                                                          range(torch.cuda.device_count())],

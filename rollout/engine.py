@@ -32,8 +32,8 @@ import torch
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
-from parity.sync.bundle import SyncError, WeightBundle
-from parity.sync.transports import Disk
+from parity.sync.bundle import Message, SyncError, Transport, WeightBundle, verify
+from parity.sync.transports import SharedMemory
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 # Engine arguments the engine sets itself: parity depends on them.
 _FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "enforce_eager", "weight_transfer_config")
 _GREEDY_EPS = 1e-5  # vLLM's sampler treats temperature below this as greedy (`_SAMPLING_EPS`)
+WORKER_TRANSPORTS = ("shared_memory", "disk")  # what reaches vLLM's worker processes (`Memory` stays in this one)
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 
 
@@ -157,35 +158,42 @@ class RolloutEngine:
         self._policy_shapes = {n: (tuple(t.shape), torch.float32) for n, t in adapter.tensors().items()}
         return request
 
-    def update_weights(self, bundle: WeightBundle) -> None:
-        """Install a weight bundle (`parity.sync`), all-or-nothing: `kind="full"` (every fp32 text tensor) in the
-        workers' parameters, then drop the prefix cache (its latents and states came from the old weights);
-        `kind="adapter"` (the policy adapter's PEFT tensors) as a new version of the policy adapter. Raises
-        `SyncError` on a rejected update; the engine then keeps its previous weights, adapter and version."""
-        if bundle.kind == "adapter":
-            self._update_policy_adapter(bundle)
-            return
-        staging = Disk(Path(tempfile.mkdtemp(dir=self._updates)))
+    def update_weights(self, bundle: WeightBundle, transport: Transport | None = None) -> None:
+        """Install a weight bundle (`parity.sync`), all-or-nothing, sent with `transport` (default `SharedMemory`):
+        see `receive`."""
+        transport = transport or SharedMemory()
+        message = transport.send(bundle)
         try:
-            staging.send(bundle)
-            self.llm.collective_rpc("start_weight_update")
-            try:
-                self.llm.collective_rpc("update_weights",
-                                        kwargs={"update_info": {"path": str(staging.path(bundle.version))}})
-            except Exception as e:  # the worker's SyncError arrives wrapped by vLLM's RPC
-                raise SyncError(f"weight update {bundle.version} rejected: {e}") from e
-            self.llm.collective_rpc("finish_weight_update")
+            self.receive(transport, message)
         finally:
-            shutil.rmtree(staging.root, ignore_errors=True)
+            transport.release(message)
+
+    def receive(self, transport: Transport, message: Message) -> None:
+        """The `parity.sync.bundle.Receiver` side of a weight sync. `kind="full"` (every fp32 text tensor): the
+        message goes to the workers, which rebuild the bundle with the same transport, verify it and swap it into
+        their parameters; then the prefix cache is dropped (its latents and states came from the old weights).
+        `kind="adapter"` (the policy adapter's PEFT tensors): a new version of the policy adapter. Raises `SyncError`
+        on a rejected update; the engine then keeps its previous weights, adapter and version."""
+        if message["kind"] == "adapter":
+            self._update_policy_adapter(transport.receive(message))
+            return
+        if transport.name not in WORKER_TRANSPORTS:
+            raise SyncError(f"vLLM's workers receive full weights through {' or '.join(WORKER_TRANSPORTS)}, "
+                            f"not {transport.name!r}")
+        self.llm.collective_rpc("start_weight_update")
+        try:
+            self.llm.collective_rpc("update_weights",
+                                    kwargs={"update_info": {"transport": transport.name, "message": message}})
+        except Exception as e:  # the worker's SyncError arrives wrapped by vLLM's RPC
+            raise SyncError(f"weight update {message['version']} rejected: {e}") from e
+        self.llm.collective_rpc("finish_weight_update")
         self.llm.reset_prefix_cache()
-        self.llm.llm_engine.set_weight_version(str(bundle.version))
+        self.llm.llm_engine.set_weight_version(str(message["version"]))
 
     def _update_policy_adapter(self, bundle: WeightBundle) -> None:
         """Verify the bundle against the policy adapter's tensors, write it as a PEFT directory, load it under a
         new versioned name, then drop the old version (requests name `policy_adapter`, read per call)."""
         from lora.adapter import Adapter, pair_tensors, save_adapter
-        from parity.sync.bundle import verify
-
         if self.policy_adapter is None:
             raise SyncError("adapter update without a policy adapter: call set_policy_adapter first")
         verify(bundle, self._policy_shapes, self.policy_version)

@@ -19,6 +19,7 @@ from parity.weights import text_specs
 from rollout.engine import RolloutEngine, Sample
 from parity.io.checkpoint import init_checkpoint, load_checkpoint, random_weights
 from parity.sync.bundle import SyncError, WeightBundle
+from parity.sync.transports import Disk, SharedMemory
 
 PROMPTS = [list(range(5, 40)), [(7 * i) % 1000 + 4 for i in range(200)]]  # the second spans a 128-token block
 
@@ -44,11 +45,13 @@ def _rollout(engine: RolloutEngine) -> list[Sample]:
     return engine.generate(PROMPTS, temperature=1.0, max_tokens=6, seed=3)
 
 
-def test_update_installs_new_policy(engine: RolloutEngine, checkpoint: Path) -> None:
+@pytest.mark.parametrize("transport", ["shared_memory", "disk"])
+def test_update_installs_new_policy(engine: RolloutEngine, checkpoint: Path, transport: str, tmp_path: Path) -> None:
+    """Through either transport the workers use (`shared_memory`: one segment, no disk; `disk`: one write)."""
     _rollout(engine)  # warm the prefix cache with the old weights' latents and states
-    new = _fp32_text_weights(checkpoint, seed=7)
+    new = _fp32_text_weights(checkpoint, seed=7 + len(transport))
     version = engine.policy_version + 1
-    engine.update_weights(WeightBundle.make(version, new))
+    engine.update_weights(WeightBundle.make(version, new), SharedMemory() if transport == "shared_memory" else Disk(tmp_path))
     assert engine.policy_version == version
     samples = _rollout(engine)
     cfg, _ = load_checkpoint(checkpoint)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksum
-from parity.sync.transports import Disk, InProcess, TorchDistributed, WeightSync
+from parity.sync.transports import Disk, Memory, SharedMemory, TorchDistributed, WeightSync, by_name
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -27,10 +28,11 @@ def _corrupt(bundle: WeightBundle, name: str) -> WeightBundle:
     return WeightBundle(bundle.version, bundle.kind, tensors, bundle.checksums)
 
 
-def test_in_process_sync_and_hooks() -> None:
+def test_memory_sync_and_hooks() -> None:
+    """In memory the message is the bundle itself: no copy on the way, one checksum per tensor per side."""
     store = TensorStore(_weights(0))
     seen: list[str] = []
-    sync = WeightSync(InProcess(store), before_sync=[lambda b: seen.append(f"before {b.version}")],
+    sync = WeightSync(Memory(), store, before_sync=[lambda b: seen.append(f"before {b.version}")],
                       after_sync=[lambda b, r: seen.append(f"after {r.version} {r.error}")])
     new = _weights(1)
     result = sync(WeightBundle.make(1, new))
@@ -57,20 +59,71 @@ def test_bad_update_leaves_previous_version(fault: str) -> None:
     with pytest.raises(SyncError, match=match):
         store.apply(bundle)
     assert store.version == 3 and all(torch.equal(store.tensors[n], old[n]) for n in old)
-    report = WeightSync(InProcess(store), strict=False)(bundle)
+    report = WeightSync(Memory(), store, strict=False)(bundle)
     assert report.error is not None and store.version == 3
 
 
 def test_disk_transport_round_trip(tmp_path: Path) -> None:
+    """Each version written once; the receiving side (`Disk()`, or `by_name("disk")` in another process) reads the
+    directory the message names."""
     disk = Disk(tmp_path, keep=2)
     store = TensorStore(_weights(0))
-    for v in (1, 2, 3):
-        disk.send(WeightBundle.make(v, _weights(v)))
+    messages = [disk.send(WeightBundle.make(v, _weights(v))) for v in (1, 2, 3)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003"]
-    store.apply(Disk.read(disk.path(3)))
+    assert messages[2] == {"version": 3, "kind": "full", "path": str(disk.path(3))}
+    store.receive(by_name("disk"), messages[2])
     assert store.version == 3 and torch.equal(store.tensors["b.bias"], _weights(3)["b.bias"])
     with pytest.raises(SyncError, match="no manifest.json"):
-        Disk.read(tmp_path / "v00000009")
+        Disk().receive({"version": 9, "kind": "full", "path": str(tmp_path / "v00000009")})
+    with pytest.raises(SyncError, match="already exists"):
+        disk.send(WeightBundle.make(3, _weights(3)))
+    with pytest.raises(SyncError, match="only receives"):
+        Disk().send(WeightBundle.make(4, _weights(4)))
+    with pytest.raises(SyncError, match="unknown weight transport"):
+        by_name("carrier-pigeon")
+
+
+def test_shared_memory_round_trip_and_release() -> None:
+    """One segment per version; the receiving side (`by_name("shared_memory")`, as in a vLLM worker) copies the
+    tensors out; `WeightSync` releases the segment once the receiver is done, accepted or not."""
+    store = TensorStore(_weights(0))
+    shm = SharedMemory()
+    message = shm.send(WeightBundle.make(1, _weights(1)))
+    segment = Path(message["segment"])
+    assert segment.is_file() and segment.stat().st_size == WeightBundle.make(1, _weights(1)).nbytes()
+    store.receive(by_name("shared_memory"), message)
+    shm.release(message)
+    assert not segment.exists() and store.version == 1
+    assert all(torch.equal(store.tensors[n], t) for n, t in _weights(1).items())
+    with pytest.raises(SyncError, match="no such shared-memory segment"):
+        shm.receive(message)
+    bad = _corrupt(WeightBundle.make(2, _weights(2)), "a.weight")
+    report = WeightSync(SharedMemory(), store, strict=False)(bad)
+    assert "checksum mismatch" in report.error and store.version == 1
+    assert not [p for p in Path("/dev/shm").glob(f"zerokl-{os.getpid()}-*")]
+
+
+def test_checksum_is_device_and_order_free_and_catches_one_bit() -> None:
+    """Same values -> same checksum whatever the thread count or memory layout; any flipped bit, a swap of two
+    elements, or another dtype or shape of the same bytes changes it."""
+    x = torch.randn(4097, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = checksum(x)
+    finally:
+        torch.set_num_threads(before)
+    assert one == checksum(x.clone())
+    assert checksum(x.view(17, 241)) == checksum(x.view(17, 241).t().contiguous().t())  # layout: same bytes
+    for byte in (0, 7, 8, 4097 * 4 - 1):
+        for bit in (0, 7):
+            y = x.clone()
+            y.view(torch.uint8)[byte] ^= 1 << bit
+            assert checksum(y) != one
+    swapped = x.clone()
+    swapped[[2, 3]] = x[[3, 2]]
+    assert checksum(swapped) != one
+    assert checksum(x.view(torch.int32)) != one and checksum(x[:4096].view(64, 64)) != checksum(x[:4096])
 
 
 def _dist_worker(rank: int, init: str, out: str) -> None:
@@ -95,18 +148,10 @@ def test_torch_distributed_transport_gloo(tmp_path: Path) -> None:
     assert got["sums"] == {n: checksum(t) for n, t in _weights(7).items()}
 
 
-def test_ppo_engine_transport_through_disk(tmp_path: Path) -> None:
-    """`sync: disk` in the PPO loop: the bundle is written, read back, verified and applied."""
-    from zerokl.ppo.loop import EngineTransport
-
-    class Engine:
-        def __init__(self) -> None:
-            self.store = TensorStore(_weights(0))
-
-        def update_weights(self, bundle: WeightBundle) -> None:
-            self.store.apply(bundle)
-
-    engine = Engine()
-    WeightSync(EngineTransport(engine, tmp_path / "sync"))(WeightBundle.make(1, _weights(5)))
-    assert engine.store.version == 1 and (tmp_path / "sync" / "v00000001" / "manifest.json").is_file()
-    assert torch.equal(engine.store.tensors["a.weight"], _weights(5)["a.weight"])
+def test_ppo_sync_through_disk_writes_each_version_once(tmp_path: Path) -> None:
+    """`sync: disk` in the PPO loop's shape: `WeightSync(Disk(root), receiver)` writes the version once and the
+    receiver reads that directory (no second copy)."""
+    store = TensorStore(_weights(0))
+    WeightSync(Disk(tmp_path / "sync"), store)(WeightBundle.make(1, _weights(5)))
+    assert store.version == 1 and [p.name for p in (tmp_path / "sync").iterdir()] == ["v00000001"]
+    assert torch.equal(store.tensors["a.weight"], _weights(5)["a.weight"])

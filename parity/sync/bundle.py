@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -19,15 +20,28 @@ class SyncError(RuntimeError):
     """A rejected weight update; the message names the first offending tensor or field."""
 
 
-def checksum(t: torch.Tensor) -> str:
-    """blake2b-128 of the tensor's bytes (contiguous, as stored), with its dtype and shape.
+# Odd 64-bit multipliers and offsets (as signed int64) of the word mix below.
+_C1, _C2, _C3, _C4 = -7046029254386353131, -4658895280553007687, 1609587929392839161, -7723592293110705685
 
-    Device-independent: a CUDA tensor is hashed from a CPU copy of its bytes, so the same values give the
-    same checksum on the trainer's GPU, the engine's GPU and the CPU."""
-    data = t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b""
+
+def checksum(t: torch.Tensor) -> str:
+    """A 64-bit checksum of the tensor's bytes, with its dtype and shape, computed on the tensor's own device.
+
+    The bytes are read as 64-bit words w_i; each is mixed with its index by a bijection (add, xor, multiply by
+    odd constants, mod 2^64), and the mixes are added mod 2^64. Integer addition is exact and order-free, so the
+    value does not depend on the device, the reduction order or the thread count: the same values give the same
+    checksum on the trainer's GPU, the engine's GPU and the CPU. Any change of one word changes it; a word moved
+    to another index changes it. Not cryptographic: it detects corruption in flight, not tampering."""
+    data = t.detach().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    pad = (-data.numel()) % 8
+    if pad:
+        data = torch.cat([data, data.new_zeros(pad)])
+    words = data.view(torch.int64)
+    idx = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
+    mixed = ((words + idx * _C1) * _C2 ^ (idx * _C3)) * _C4
+    total = int(mixed.sum().item()) & (2**64 - 1)
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{t.dtype}:{tuple(t.shape)}:".encode())
-    h.update(data)
+    h.update(f"{t.dtype}:{tuple(t.shape)}:{t.numel() * t.element_size()}:{total:016x}".encode())
     return h.hexdigest()
 
 
@@ -42,8 +56,10 @@ class WeightBundle:
 
     @classmethod
     def make(cls, version: int, tensors: Mapping[str, torch.Tensor], kind: str = "full") -> WeightBundle:
-        frozen = {n: t.detach().contiguous().clone() for n, t in tensors.items()}
-        return cls(version, kind, frozen, {n: checksum(t) for n, t in frozen.items()})
+        """The bundle of `tensors` as they are (no copy: the sender leaves them unchanged until the sync returns),
+        each checksummed once, on its own device."""
+        held = {n: t.detach().contiguous() for n, t in tensors.items()}
+        return cls(version, kind, held, {n: checksum(t) for n, t in held.items()})
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -69,8 +85,39 @@ def verify(bundle: WeightBundle, expected: Mapping[str, tuple[tuple[int, ...], t
             raise SyncError(f"{name}: checksum mismatch (corrupted in flight)")
 
 
+Message = dict[str, Any]  # what a transport's `send` returns and its `receive` takes (picklable)
+
+
+class Transport(Protocol):
+    """Carries a `WeightBundle` from a sender to a receiver; both sides use the same class (`parity.sync.transports`).
+
+    `send(bundle)` puts the bundle on the wire and returns the message the receiving side passes to
+    `receive(message)`, which returns the bundle as it arrived (not yet verified). Every message carries the
+    bundle's `version` and `kind`. Once the receiver is done, the sender calls `release(message)` (frees what the
+    message pointed at, if anything). `name` lets a receiver in another process (a vLLM worker) rebuild the
+    transport with `parity.sync.transports.by_name`."""
+
+    name: str
+
+    def send(self, bundle: WeightBundle) -> Message: ...
+
+    def receive(self, message: Message) -> WeightBundle: ...
+
+    def release(self, message: Message) -> None: ...
+
+
+class Receiver(Protocol):
+    """Holds weights at a version; `receive` verifies the bundle `transport.receive(message)` gives, then applies it
+    all-or-nothing (raising SyncError and keeping the previous version otherwise)."""
+
+    version: int
+
+    def receive(self, transport: Transport, message: Message) -> None: ...
+
+
 class TensorStore:
-    """A receiver holding tensors in memory: `apply` verifies, then swaps the whole dict at once."""
+    """A receiver holding tensors in memory: `apply` verifies, then swaps the whole dict at once (copies: the
+    store owns its tensors)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0, kind: str = "full"):
         self.tensors = dict(tensors)
@@ -86,3 +133,7 @@ class TensorStore:
         verify(bundle, self.expected(), self.version)
         self.tensors = {n: t.clone() for n, t in bundle.tensors.items()}
         self.version = bundle.version
+
+    def receive(self, transport: Transport, message: Message) -> None:
+        """`apply` the bundle `transport` delivers with `message`."""
+        self.apply(transport.receive(message))

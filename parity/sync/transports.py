@@ -1,81 +1,139 @@
-"""Transports that carry a `WeightBundle` from the trainer to a receiver, and the hooks around a sync.
+"""Transports that carry a `WeightBundle` from the trainer to a receiver, and the sync around them.
 
-- `InProcess`: hands the bundle to a receiver object in the same process.
-- `Disk`: safetensors + a JSON manifest (version, kind, checksums) written to `DIR/v{version}` through a
-  temporary directory and an atomic rename; `Disk.read` returns the bundle a receiver verifies.
+Each implements `parity.sync.bundle.Transport`: `send(bundle) -> message` on the sending side, `receive(message) ->
+bundle` on the receiving side (the same class, or `by_name(transport.name)` in another process):
+
+- `Memory`: the message is the bundle itself (tensors by reference), for a receiver in this process. No copy.
+- `SharedMemory`: the tensors' bytes back to back in one POSIX shared-memory segment (`/dev/shm`) per version, the
+  message lays them out, for a receiver in another process of this host (vLLM's workers): one copy in, one out, no
+  disk. `release` unlinks the segment.
+- `Disk`: safetensors + a JSON manifest (version, kind, checksums) written once to `ROOT/v{version}` through a
+  temporary directory and an atomic rename; the message names the directory. `Disk()` (no root) only receives.
 - `TorchDistributed`: broadcasts the manifest, then each tensor in name order, from a source rank over a
-  `torch.distributed` group (gloo on CPU, NCCL on GPU: the sender's tensors and the receiver's `device`
-  are then CUDA devices); every rank gets the same bundle.
-Users plug their own transport by implementing `Transport.send`.
+  `torch.distributed` group (gloo on CPU, NCCL on GPU: the sender's tensors and the receiver's `device` are then
+  CUDA devices); every rank gets the same bundle.
+
+`WeightSync(transport, receiver)` runs one sync with user hooks around it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from parity.sync.bundle import SyncError, WeightBundle
+from parity.sync.bundle import Message, Receiver, SyncError, Transport, WeightBundle
 
 MANIFEST = "manifest.json"
 TENSORS = "weights.safetensors"
 
 
-class Receiver(Protocol):
-    """Something that holds weights at a version and applies verified bundles all-or-nothing."""
-
-    version: int
-
-    def apply(self, bundle: WeightBundle) -> None: ...
-
-
-class Transport(Protocol):
-    def send(self, bundle: WeightBundle) -> None: ...
+SHM_ROOT = Path("/dev/shm")
 
 
 @dataclass
-class InProcess:
-    receiver: Receiver
+class Memory:
+    """The bundle travels as the message: tensors by reference, checksums as computed by `WeightBundle.make`."""
 
-    def send(self, bundle: WeightBundle) -> None:
-        self.receiver.apply(bundle)
+    name: str = "memory"
+
+    def release(self, message: Message) -> None:
+        pass
+
+    def send(self, bundle: WeightBundle) -> Message:
+        return {"version": bundle.version, "kind": bundle.kind, "tensors": dict(bundle.tensors),
+                "checksums": dict(bundle.checksums)}
+
+    def receive(self, message: Message) -> WeightBundle:
+        try:
+            return WeightBundle(int(message["version"]), str(message["kind"]), dict(message["tensors"]),
+                                dict(message["checksums"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SyncError(f"malformed in-memory weight update: {e}") from None
+
+
+@dataclass
+class SharedMemory:
+    """One shared-memory segment per version holding every tensor's bytes (CUDA tensors are copied to it once)."""
+
+    name: str = "shared_memory"
+
+    def send(self, bundle: WeightBundle) -> Message:
+        if not SHM_ROOT.is_dir():
+            raise SyncError(f"no {SHM_ROOT} on this host: use the disk transport")
+        layout, offset = [], 0
+        for n, t in sorted(bundle.tensors.items()):
+            layout.append((n, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+            offset += t.numel() * t.element_size()
+        path = SHM_ROOT / f"zerokl-{os.getpid()}-{uuid.uuid4().hex[:12]}-v{bundle.version}"
+        segment = torch.from_file(str(path), shared=True, size=max(offset, 1), dtype=torch.uint8)
+        for n, _, _, start in layout:
+            t = bundle.tensors[n].detach().contiguous()
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                segment[start : start + nbytes].copy_(t.view(-1).view(torch.uint8))
+        return {"version": bundle.version, "kind": bundle.kind, "segment": str(path), "layout": layout,
+                "checksums": dict(bundle.checksums)}
+
+    def receive(self, message: Message) -> WeightBundle:
+        path = Path(message["segment"])
+        if path.parent != SHM_ROOT or not path.is_file():
+            raise SyncError(f"{path}: no such shared-memory segment (released, or not a weight update)")
+        segment = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+        tensors = {}
+        for n, dtype, shape, start in message["layout"]:
+            dt = getattr(torch, dtype)
+            nbytes = math.prod(shape) * dt.itemsize
+            tensors[n] = segment[start : start + nbytes].clone().view(dt).view(shape)
+        return WeightBundle(int(message["version"]), str(message["kind"]), tensors, dict(message["checksums"]))
+
+    def release(self, message: Message) -> None:
+        Path(message["segment"]).unlink(missing_ok=True)
 
 
 @dataclass
 class Disk:
-    """Writes each version to its own directory; `keep` most recent versions stay on disk."""
+    """Writes each version to its own directory under `root`; the `keep` most recent versions stay on disk."""
 
-    root: Path
+    root: Path | None = None
     keep: int = 2
+    name: str = "disk"
 
     def path(self, version: int) -> Path:
+        if self.root is None:
+            raise SyncError("Disk() without a root only receives; give it a root directory to send")
         return Path(self.root) / f"v{version:08d}"
 
-    def send(self, bundle: WeightBundle) -> None:
+    def send(self, bundle: WeightBundle) -> Message:
         final = self.path(bundle.version)
+        if final.exists():
+            raise SyncError(f"{final} already exists: versions must increase")
         tmp = final.with_name(final.name + ".partial")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(dict(bundle.tensors), str(tmp / TENSORS))
         (tmp / MANIFEST).write_text(json.dumps({"version": bundle.version, "kind": bundle.kind,
                                                 "checksums": dict(bundle.checksums)}))
-        if final.exists():
-            raise SyncError(f"{final} already exists: versions must increase")
         tmp.rename(final)
         for old in sorted(Path(self.root).glob("v????????"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+        return {"version": bundle.version, "kind": bundle.kind, "path": str(final)}
 
-    @staticmethod
-    def read(path: str | Path) -> WeightBundle:
-        path = Path(path)
+    def release(self, message: Message) -> None:
+        pass  # the newest `keep` versions stay on disk
+
+    def receive(self, message: Message) -> WeightBundle:
+        path = Path(message["path"])
         if not (path / MANIFEST).is_file():
             raise SyncError(f"{path}: no {MANIFEST} (incomplete or not a weight update)")
         manifest = json.loads((path / MANIFEST).read_text())
@@ -85,30 +143,46 @@ class Disk:
 
 @dataclass
 class TorchDistributed:
-    """Broadcast from `src` to every rank of `group`; receivers call `receive()` on their side."""
+    """Broadcast from `src` to every rank of `group`; receiving ranks call `receive()` and get the tensors on
+    `device` (default: the CPU)."""
 
     src: int = 0
     group: dist.ProcessGroup | None = None
+    device: torch.device | str | None = None
+    name: str = "torch_distributed"
 
-    def send(self, bundle: WeightBundle) -> None:
+    def send(self, bundle: WeightBundle) -> Message:
         manifest = [{"version": bundle.version, "kind": bundle.kind, "checksums": dict(bundle.checksums),
                      "meta": [(n, tuple(t.shape), str(t.dtype)) for n, t in sorted(bundle.tensors.items())]}]
         dist.broadcast_object_list(manifest, src=self.src, group=self.group)
         for name, _, _ in manifest[0]["meta"]:
             dist.broadcast(bundle.tensors[name].contiguous(), src=self.src, group=self.group)
+        return {"version": bundle.version, "kind": bundle.kind}
 
-    def receive(self, device: torch.device | str | None = None) -> WeightBundle:
-        """The bundle `send` broadcast, its tensors allocated on `device` (default: the CPU); not yet verified."""
+    def receive(self, message: Message | None = None) -> WeightBundle:
         box: list[dict | None] = [None]
         dist.broadcast_object_list(box, src=self.src, group=self.group)
         manifest = box[0]
         assert manifest is not None
         tensors = {}
         for name, shape, dtype in manifest["meta"]:
-            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
             dist.broadcast(t, src=self.src, group=self.group)
             tensors[name] = t
         return WeightBundle(manifest["version"], manifest["kind"], tensors, manifest["checksums"])
+
+    def release(self, message: Message) -> None:
+        pass
+
+
+RECEIVING = {"memory": Memory, "shared_memory": SharedMemory, "disk": Disk}
+
+
+def by_name(name: str) -> Transport:
+    """The receiving side of the transport called `name` (a process that gets a message over RPC rebuilds it)."""
+    if name not in RECEIVING:
+        raise SyncError(f"unknown weight transport {name!r}; known: {', '.join(RECEIVING)}")
+    return RECEIVING[name]()
 
 
 @dataclass
@@ -122,10 +196,12 @@ class SyncResult:
 
 @dataclass
 class WeightSync:
-    """Run a sync through `transport` with user hooks around it; failures are reported, not raised,
-    unless `strict` (the receiver then still holds its previous version)."""
+    """One sync: `transport.send(bundle)`, `receiver.receive(transport, message)`, `transport.release(message)`, with
+    user hooks around it.
+    Failures are reported, not raised, unless `strict` (the receiver then still holds its previous version)."""
 
     transport: Transport
+    receiver: Receiver
     before_sync: list[Callable[[WeightBundle], None]] = field(default_factory=list)
     after_sync: list[Callable[[WeightBundle, SyncResult], None]] = field(default_factory=list)
     strict: bool = True
@@ -136,7 +212,11 @@ class WeightSync:
         t0 = time.perf_counter()
         error = None
         try:
-            self.transport.send(bundle)
+            message = self.transport.send(bundle)
+            try:
+                self.receiver.receive(self.transport, message)
+            finally:
+                self.transport.release(message)
         except SyncError as e:
             if self.strict:
                 raise

@@ -34,7 +34,7 @@ class PPOConfig:
     seed: int = 0
     kernels: str = "invariant"
     on_mismatch: str = "stop"
-    sync: str = "in_process"
+    sync: str = "shared_memory"  # weight transport into the engine's processes: shared_memory or disk (OUT/sync)
     checkpoint_every: int = 25
     wandb: str = "offline"
     backend: str = "megatron"  # trainer backend (trainer.backend): megatron (one process) or deepspeed
@@ -49,7 +49,7 @@ class PPOConfig:
         _choice("advantage", self.advantage, ("grpo", "gae"))
         _choice("kernels", self.kernels, ("invariant", "fast"))
         _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
-        _choice("sync", self.sync, ("in_process", "disk"))
+        _choice("sync", self.sync, ("shared_memory", "disk"))
         _choice("wandb", self.wandb, ("offline", "online", "disabled"))
         _choice("backend", self.backend, BACKENDS)
         if self.zero_stage not in ZERO_STAGES:

