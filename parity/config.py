@@ -33,7 +33,6 @@ class TextConfig:
     num_hidden_layers: int
     intermediate_size: int
     rms_norm_eps: float
-    tie_word_embeddings: bool
     hidden_act: str  # "situ" or "silu"
     situ_beta: float | None  # activation_situ_beta (gate soft-clip), K3: 4
     situ_linear_beta: float | None  # activation_situ_linear_beta (up soft-clip), K3: 25
@@ -168,6 +167,9 @@ def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "t
         raise ConfigError(f"{where}: mla_use_nope must be true (K3 MLA is NoPE-only)")
     if int(_get(d, "num_expert_group", where, 1)) != 1 or int(_get(d, "topk_group", where, 1)) != 1:
         raise ConfigError(f"{where}: only num_expert_group = topk_group = 1 is supported (K3 routes in one group)")
+    if _get(d, "tie_word_embeddings", where, False, kind=bool):
+        raise ConfigError(f"{where}: tie_word_embeddings: true is not supported: vLLM's K3 and Kimi Linear models and "
+                          f"transformers' Kimi Linear always build their own lm_head (set it to false)")
     num_experts = d.get("num_experts")
     return TextConfig(
         checkpoint_family=checkpoint_family,
@@ -176,7 +178,6 @@ def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "t
         num_hidden_layers=n_layers,
         intermediate_size=_get(d, "intermediate_size", where, kind=int),
         rms_norm_eps=float(_get(d, "rms_norm_eps", where, 1e-6)),
-        tie_word_embeddings=bool(_get(d, "tie_word_embeddings", where, False)),
         hidden_act=act,
         situ_beta=d.get("activation_situ_beta"),
         situ_linear_beta=d.get("activation_situ_linear_beta"),

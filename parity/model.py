@@ -271,8 +271,7 @@ class K3Forward:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm then lm_head: [..., D] -> [..., V] fp32."""
-        head = self.names.embed if self.cfg.tie_word_embeddings else self.names.lm_head
-        return self._lin(self._norm(hidden, self.names.norm), head)
+        return self._lin(self._norm(hidden, self.names.norm), self.names.lm_head)
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
         """logits: [..., V], targets: [...] -> log_softmax(logits / temperature)[target]: [...]."""

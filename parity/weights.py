@@ -204,6 +204,5 @@ def text_specs(c: TextConfig) -> dict[str, WeightSpec]:
     if c.attn_res_block_size is not None:
         specs[names.output_res_norm] = _norm(h)
         specs[names.output_res_proj] = WeightSpec((1, h), False, "res_proj", h)
-    if not c.tie_word_embeddings:
-        specs[names.lm_head] = _lin(c.vocab_size, h)
+    specs[names.lm_head] = _lin(c.vocab_size, h)
     return specs

@@ -206,6 +206,11 @@ def test_where_transformers_and_vllm_differ(hf, ours):
        `KimiLinearTopkRouter` always takes the sigmoid. zerokl follows the config. The released config: sigmoid.
     4. Short-conv activation: vLLM always applies SiLU; transformers applies `hidden_act`. zerokl applies SiLU,
        as vLLM; Kimi Linear's hidden_act is silu, so they agree there (K3's situ would not).
+    5. MLA latent norms: transformers builds `q_a_layernorm` / `kv_a_layernorm` as `KimiLinearRMSNorm(dim)`, eps
+       1e-6 whatever the config says; vLLM (and zerokl) use `rms_norm_eps` (1e-5 in the released config). A
+       systematic difference inside LOGPROB_ATOL: with transformers run in float64, aligning it lowers its max
+       log-prob gap to zerokl's float64 reference from 7.0e-6 to 4.3e-6 (97 tokens, kimi-linear-tiny); the rest
+       comes from transformers' fp32 casts inside RMSNorm, softmax and chunk_kda, which it keeps in float64.
     """
     from vllm.third_party.flash_linear_attention.ops.kda import FusedRMSNormGated
 
@@ -236,3 +241,7 @@ def test_where_transformers_and_vllm_differ(hf, ours):
     assert cfg.router_activation == released.router_activation == "sigmoid"
     # 4
     assert kda.activation == cfg.hidden_act == released.hidden_act == "silu"
+    # 5
+    mla = model.model.layers[cfg.full_attn_layers[0]].self_attn
+    assert mla.kv_a_layernorm.variance_epsilon == 1e-6 != cfg.rms_norm_eps == released.rms_norm_eps
+    assert inspect.signature(modeling.KimiLinearRMSNorm.__init__).parameters["eps"].default == 1e-6

@@ -112,3 +112,12 @@ def test_kimi_linear_48b_plan_uses_its_declared_context() -> None:
     p = plan(load_model_config("configs/kimi-linear-48b-a3b.yaml"))
     assert 47e9 < p.total_params < 51e9 and 2.8e9 < p.active_params < 3.8e9
     assert p.context_tokens == 1048576
+
+
+def test_tied_word_embeddings_are_refused(tmp_path: Path) -> None:
+    """Neither vLLM's models nor transformers' Kimi Linear tie the LM head to the embedding: a config that asks
+    for it is refused by name instead of meaning another model on one side."""
+    text = (CONFIGS / "k3-tiny.yaml").read_text().replace("tie_word_embeddings: false", "tie_word_embeddings: true")
+    (tmp_path / "tied.yaml").write_text(text)
+    with pytest.raises(ConfigError, match="tie_word_embeddings: true is not supported"):
+        load_model_config(tmp_path / "tied.yaml")

@@ -99,8 +99,7 @@ class ReferenceK3:
         else:
             final = self._attn_res_layers(x, states)
         final_norm = rms_norm(final, w[names.norm], cfg.rms_norm_eps)
-        head = w[names.embed] if cfg.tie_word_embeddings else w[names.lm_head]
-        states.update({"final": final, "final_norm": final_norm, "logits": linear(final_norm, head)})
+        states.update({"final": final, "final_norm": final_norm, "logits": linear(final_norm, w[names.lm_head])})
         return states
 
     def _attn_res_layers(self, x: Tensor, states: dict[str, Tensor]) -> Tensor:

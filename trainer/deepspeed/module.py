@@ -103,8 +103,7 @@ def scope_groups(c: TextConfig) -> dict[str, tuple[str, ...]]:
                 f"{p}.mlp_res_norm", f"{p}.mlp_res_proj", f"{p}.post_attention_layernorm")
     if c.attn_res_block_size is not None:
         groups[names.output_res_norm] = (_holder(names.output_res_norm), _holder(names.output_res_proj))
-    head = names.embed if c.tie_word_embeddings else names.lm_head
-    groups[LOGITS] = (_holder(names.norm), _holder(head))
+    groups[LOGITS] = (_holder(names.norm), _holder(names.lm_head))
     return groups
 
 

@@ -265,8 +265,7 @@ class MegatronK3Model(MegatronModule):
         self.model = ModelGroup(config, layers if in_model else None)
         if not in_model:
             self.layers = layers
-        if not c.tie_word_embeddings:
-            self.lm_head = _column(config, c.hidden_size, c.vocab_size)
+        self.lm_head = _column(config, c.hidden_size, c.vocab_size)
         self.passthrough: dict[str, torch.Tensor] = {}
         self.storage_dtypes: dict[str, torch.dtype] = {}
         self.lora_scales: dict[str, float] = {}
