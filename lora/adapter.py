@@ -12,7 +12,6 @@ by the rollout engine gives both sides the same bits; bf16 / fp16 files are read
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from parity.io.atomic import atomic_dir
 from lora.spec import AdapterError, LoraSpec
 from lora.targets import lora_targets, model_modules, parse_tensor_name, tensor_name, unsupported_reason
 from parity.config import TextConfig
@@ -155,19 +155,10 @@ def save_adapter(adapter: Adapter, out: str | Path, progress: Callable[[str], No
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise AdapterError(f"{out} exists and is not an empty directory; choose a new --out")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         tensors = {n: t.detach().to(torch.float32).contiguous() for n, t in adapter.tensors().items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter.spec.to_peft(), indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if progress:
         progress(f"wrote {out} ({len(adapter.weights)} modules, {sum(t.numel() for t in tensors.values())} params)")
     return out

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from parity.io.atomic import atomic_file
 from lora.adapter import Adapter, validate
 from lora.spec import AdapterError, LoraSpec
 from lora.targets import parse_tensor_name
@@ -35,11 +36,9 @@ def write_shard(out: str | Path, spec: LoraSpec, tensors: dict[str, torch.Tensor
     """Write one TP rank's shard: `tensors` (PEFT names, this rank's part), `tp_dims` (name -> split dim).
     Written to a `.partial` file and renamed into place, so a crash never leaves a torn shard."""
     path = Path(out) / shard_file(tp_rank, tp)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
     meta = {"adapter_config": json.dumps(spec.to_peft()), "tp_dims": json.dumps(tp_dims)}
-    save_file({n: t.detach().to(torch.float32).contiguous() for n, t in tensors.items()}, str(tmp), metadata=meta)
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        save_file({n: t.detach().to(torch.float32).contiguous() for n, t in tensors.items()}, str(tmp), metadata=meta)
     return path
 
 

@@ -112,13 +112,18 @@ def test_corrupted_sync_leaves_engine_on_old_version(reference) -> None:
     transport = run.sync.transport
 
     class Corrupting:
-        def send(self, bundle: WeightBundle) -> None:
+        """The run's transport with one bit flipped in flight."""
+
+        name = transport.name
+        receive, release = transport.receive, transport.release
+
+        def send(self, bundle: WeightBundle) -> dict:
             tensors = dict(bundle.tensors)
             name = sorted(tensors)[7]
             bad = tensors[name].clone()
             bad.view(torch.uint8)[0] ^= 1
             tensors[name] = bad
-            transport.send(WeightBundle(bundle.version, bundle.kind, tensors, bundle.checksums))
+            return transport.send(WeightBundle(bundle.version, bundle.kind, tensors, bundle.checksums))
 
     run.sync.transport = Corrupting()
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +18,7 @@ from safetensors.torch import save_file
 
 from parity.config import ConfigError, ModelConfig, load_model_config
 from parity.weights import WeightSpec, text_specs
+from parity.io.atomic import atomic_dir
 from parity.io.tokenizer import build_tokenizer
 from parity.io.vision import vision_specs
 
@@ -98,10 +98,7 @@ def save_checkpoint(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new --out directory")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         expected = all_specs(cfg)
         missing = sorted(set(expected) - set(weights))
         extra = sorted(set(weights) - set(expected))
@@ -127,12 +124,6 @@ def save_checkpoint(
         build_tokenizer(t.vocab_size, tmp)
         if cfg.vision is not None:
             (tmp / "preprocessor_config.json").write_text(json.dumps(preprocessor_config(cfg.vision.raw), indent=2))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

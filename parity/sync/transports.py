@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from parity.io.atomic import atomic_dir
 from parity.sync.bundle import Message, Receiver, SyncError, Transport, WeightBundle
 
 MANIFEST = "manifest.json"
@@ -118,13 +119,10 @@ class Disk:
         final = self.path(bundle.version)
         if final.exists():
             raise SyncError(f"{final} already exists: versions must increase")
-        tmp = final.with_name(final.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(dict(bundle.tensors), str(tmp / TENSORS))
-        (tmp / MANIFEST).write_text(json.dumps({"version": bundle.version, "kind": bundle.kind,
-                                                "checksums": dict(bundle.checksums)}))
-        tmp.rename(final)
+        with atomic_dir(final) as tmp:
+            save_file(dict(bundle.tensors), str(tmp / TENSORS))
+            (tmp / MANIFEST).write_text(json.dumps({"version": bundle.version, "kind": bundle.kind,
+                                                    "checksums": dict(bundle.checksums)}))
         for old in sorted(Path(self.root).glob("v????????"))[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return {"version": bundle.version, "kind": bundle.kind, "path": str(final)}

@@ -48,6 +48,7 @@ from parity.weights import text_specs
 from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import grpo_advantages, ppo_loss
 from zerokl.ppo.config import PPOConfig
+from parity.io.atomic import commit_partial, partial_path
 from parity.sync.bundle import SyncError, WeightBundle
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import make_task
@@ -177,7 +178,7 @@ class PPORun:
         """The trainer's state (`TrainerBackend.save_state`: weights.pt or adapter/, optimizer), RNG states, task
         cursor, step, version and process count, written into a sibling `.partial` directory that rank 0 renames
         into place. Collective."""
-        tmp = path.with_name(path.name + ".partial")
+        tmp = partial_path(path)
         if self.rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         self.backend.save_state(tmp)
@@ -186,8 +187,7 @@ class PPORun:
                      "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
                      "world_size": self.backend.world_size}
             (tmp / "state.pkl").write_bytes(pickle.dumps(state))
-            shutil.rmtree(path, ignore_errors=True)
-            tmp.rename(path)
+            commit_partial(path, replace=True)
         self.backend.barrier()
 
     def _load_state(self, path: Path) -> None:
