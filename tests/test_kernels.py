@@ -15,24 +15,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import assert_bits, first_mismatch
 from parity.kernels import FAST, INVARIANT, get_kernels
 from parity.kernels.attention import gather_paged
 from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import sigmoid, silu, softplus, tree_sum
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
-
-
-def _first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
-    diff = (a != b).nonzero()
-    if len(diff) == 0:
-        return "equal"
-    idx = tuple(diff[0].tolist())
-    return f"first mismatch at {idx}, max |d| = {(a - b).abs().max().item():.3e}"
-
-
-def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert torch.equal(a, b), _first_mismatch(a, b)
 
 
 def _embed_row(row: torch.Tensor, batch: int, pos: int, seed: int) -> torch.Tensor:
@@ -54,7 +43,7 @@ def test_primitives_are_layout_invariant() -> None:
     for name, f in fns.items():
         whole = f(x)
         alone = torch.cat([f(x[i : i + 3]) for i in range(0, 1200, 3)])
-        assert torch.equal(alone, whole[:1200]), f"{name}: {_first_mismatch(alone, whole[:1200])}"
+        assert torch.equal(alone, whole[:1200]), f"{name}: {first_mismatch(alone, whole[:1200])}"
 
 
 def test_torch_sigmoid_is_not_layout_invariant() -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import assert_bits
 from parity.kernels import FAST, INVARIANT, Kernels
 from parity.kernels.attention import gather_paged
 from parity.kernels.linear import LoRA
@@ -85,18 +86,6 @@ def test_interpreter_suite() -> None:
                           "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
-
-
-def _first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
-    diff = (a != b).nonzero()
-    if len(diff) == 0:
-        return "equal"
-    idx = tuple(diff[0].tolist())
-    return f"first mismatch at {idx}, max |d| = {(a.double() - b.double()).abs().max().item():.3e}"
-
-
-def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert torch.equal(a, b), _first_mismatch(a, b)
 
 
 def close(a: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

@@ -33,7 +33,7 @@ from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_pa
 from trainer.megatron.sharding import Split, shard, split_roles
 from trainer.megatron.train import build_model
 from zerokl import cli
-from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
+from parity.io.checkpoint import CheckpointError, load_checkpoint
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun
 
@@ -44,8 +44,8 @@ A_LOG = "model.layers.0.self_attn.A_log"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(TINY, tmp_path_factory.mktemp("kl") / "kimi-linear-tiny", seed=0)
+def ckpt(kimi_linear_tiny: Path) -> Path:
+    return kimi_linear_tiny
 
 
 @pytest.fixture

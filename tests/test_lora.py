@@ -22,7 +22,7 @@ from lora.targets import lora_targets, tensor_name
 from parity.config import ModelConfig, load_model_config
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 Q_PROJ = "language_model.layers.1.self_attn.q_proj"  # a KDA layer (layer 0 is dense, 1-3 KDA, 4 MLA, ...)
@@ -37,8 +37,8 @@ def lora_main(argv: list[str]) -> int:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("lora") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

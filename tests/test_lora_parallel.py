@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from parity.io.checkpoint import init_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "lora_parallel.py"
@@ -30,8 +29,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_lora_trainer_tp2_ep2(tmp_path: Path) -> None:
-    checkpoint = init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", tmp_path / "k3-tiny", seed=0)
+def test_lora_trainer_tp2_ep2(k3_tiny: Path, tmp_path: Path) -> None:
+    checkpoint = k3_tiny
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(WORKER), "--tp", "2", "--ep", "2",
            "--checkpoint", str(checkpoint), "--out", str(tmp_path / "state")]

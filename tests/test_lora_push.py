@@ -18,7 +18,6 @@ from lora.adapter import save_adapter
 from lora.init import random_adapter
 from lora.push import STATE_ROUTE, SWITCH_ROUTE, PushError, Server, push
 from parity.config import load_model_config
-from parity.io.checkpoint import init_checkpoint
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,9 @@ class FakeServer(Server):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+def setup(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     root = tmp_path_factory.mktemp("adapters")
-    ckpt = init_checkpoint("configs/k3-tiny.yaml", root / "ckpt", seed=0)
+    ckpt = k3_tiny
     cfg = load_model_config(ckpt)
     for seed in (1, 2):
         save_adapter(random_adapter(cfg.text, rank=4, seed=seed), root / f"a{seed}")

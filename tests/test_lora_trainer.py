@@ -26,7 +26,7 @@ from trainer.megatron.io import export_adapter, save_adapter, save_adapter_state
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.megatron.train import Trainer, build_model, build_trainer, train_step
-from parity.io.checkpoint import init_checkpoint, load_checkpoint, random_weights
+from parity.io.checkpoint import load_checkpoint, random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8
@@ -40,8 +40,8 @@ def par() -> Iterator[ParallelContext]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("lora_trainer") / "k3", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

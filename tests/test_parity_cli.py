@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from parity.io.checkpoint import init_checkpoint
 from zerokl.parity_check import Checker, selftest, task_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(REPO / "configs/k3-tiny.yaml", tmp_path_factory.mktemp("pc") / "k3", seed=0)
+def ckpt(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

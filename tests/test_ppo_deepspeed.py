@@ -21,7 +21,7 @@ import torch
 
 from lora.adapter import save_adapter
 from lora.init import random_adapter
-from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -30,8 +30,8 @@ TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(REPO / "configs/k3-tiny.yaml", tmp_path_factory.mktemp("ds-cmd") / "k3", seed=0)
+def ckpt(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from parity.model import K3Forward, K3Weights, score_sequences
 from parity.weights import text_specs
 from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
 from rollout import serve
-from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 from helpers import free_port, running_server
 
@@ -42,8 +42,8 @@ BLOCK = 128
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint("configs/k3-tiny.yaml", tmp_path_factory.mktemp("rollout") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from lora.spec import AdapterError
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from rollout.engine import RolloutEngine, RolloutError, sample_seed
-from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 from parity.sync.bundle import SyncError, WeightBundle
 
@@ -43,8 +43,8 @@ ALPHAS = {"a1": 16.0, "a2": 3.0, "a3": 8.0}  # rank 8: scales 2, 0.375, 1
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint("configs/k3-tiny.yaml", tmp_path_factory.mktemp("rollout-lora") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

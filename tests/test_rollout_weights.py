@@ -17,7 +17,7 @@ from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
 from parity.weights import text_specs
 from rollout.engine import RolloutEngine, Sample
-from parity.io.checkpoint import init_checkpoint, load_checkpoint, random_weights
+from parity.io.checkpoint import load_checkpoint, random_weights
 from parity.sync.bundle import SyncError, WeightBundle
 from parity.sync.transports import Disk, SharedMemory
 
@@ -26,8 +26,8 @@ PROMPTS = [list(range(5, 40)), [(7 * i) % 1000 + 4 for i in range(200)]]  # the 
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint("configs/k3-tiny.yaml", tmp_path_factory.mktemp("weights") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

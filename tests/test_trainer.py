@@ -27,7 +27,7 @@ from trainer.megatron.modules import MegatronK3Model
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.megatron.sharding import Split, split_of, split_roles
 from trainer.megatron.train import build_model, build_trainer, train_step
-from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint, random_weights
+from parity.io.checkpoint import CheckpointError, load_checkpoint, random_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8
@@ -41,9 +41,8 @@ def par() -> Iterator[ParallelContext]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The official k3-tiny checkpoint `zerokl init-checkpoint` writes (bf16, seed 0)."""
-    return init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("trainer") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from trainer.backend import TrainerBackend, build_backend
 from trainer.base import ADAPTER_DIR, WEIGHTS_FILE
 from trainer.deepspeed.linear import linear_saving_parameters
 from trainer.logprobs import PaddedBatch, token_logprobs
-from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8
@@ -32,8 +32,8 @@ LR = 3e-3
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("seam") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from trainer.deepspeed.io import export_official, load_official, load_state, sav
 from trainer.deepspeed.lora import attach_lora, export_adapter, save_adapter as save_trainer_adapter
 from trainer.deepspeed.module import DeepSpeedK3Model, Projection
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
-from parity.io.checkpoint import CheckpointError, init_checkpoint, load_checkpoint
+from parity.io.checkpoint import CheckpointError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPERATURE = 0.8
@@ -43,9 +43,8 @@ def process_group() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The official k3-tiny checkpoint `zerokl init-checkpoint` writes (bf16, seed 0)."""
-    return init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("ds") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.fixture(scope="module")

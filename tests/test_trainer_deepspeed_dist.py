@@ -25,7 +25,7 @@ import torch
 from lora.adapter import save_adapter
 from lora.init import random_adapter
 from trainer.deepspeed.engine import destroy_dist, init_dist
-from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.io.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "deepspeed_zero.py"
@@ -48,10 +48,10 @@ def _worker() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def inputs(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """k3-tiny (bf16, seed 0) and a `zerokl lora init` adapter on attention and MLP projections."""
     root = tmp_path_factory.mktemp("ds-dist")
-    checkpoint = init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", root / "k3-tiny", seed=0)
+    checkpoint = k3_tiny
     cfg, _ = load_checkpoint(checkpoint)
     adapter = random_adapter(cfg.text, rank=4, targets=["q_proj", "kv_b_proj", "o_proj", "gate_proj"], seed=2)
     return checkpoint, save_adapter(adapter, root / "adapter")

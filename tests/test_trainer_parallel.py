@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from parity.io.checkpoint import init_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_parallel.py"
@@ -31,8 +30,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_checkpoint(ROOT / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("dist") / "k3-tiny", seed=0)
+def checkpoint(k3_tiny: Path) -> Path:
+    return k3_tiny
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "ep2", "tp2-ep2"])
