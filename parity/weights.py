@@ -59,6 +59,25 @@ NAMES = {
 }
 
 
+# Other spellings of official names that vLLM's K3 loader also reads (its `hf_to_vllm_mapper` maps the written
+# form onto these module paths; torchtitan's K3 key map reads only these). zerokl writes the left-hand form, the
+# names of the released K3 checkpoints, and reads both.
+ALIASES = (
+    (f"{TEXT_PREFIX}.model.layers.", f"{TEXT_PREFIX}.layers."),
+    ("mm_projector.linear_1.", "mm_projector.proj.0."),
+    ("mm_projector.linear_2.", "mm_projector.proj.2."),
+)
+
+
+def official_name(name: str) -> str:
+    """`name` in the spelling zerokl writes: an `ALIASES` spelling is mapped to the official one, any other name is
+    returned as it is."""
+    for alias, official in ALIASES:
+        if name.startswith(alias):
+            return official + name[len(alias):]
+    return name
+
+
 def text_names(c: TextConfig) -> TextNames:
     """The official text tensor names of `c`'s checkpoint family."""
     return NAMES[c.checkpoint_family]

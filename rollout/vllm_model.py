@@ -25,7 +25,7 @@ from torch import nn
 from parity.config import ModelConfig, load_model_config
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, KDACache
-from parity.weights import text_specs
+from parity.weights import official_name, text_specs
 from rollout import vllm_compat
 from rollout.backends import CACHE_DTYPE
 from lora.targets import suffixes
@@ -157,12 +157,15 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         return self.fwd.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy each official text tensor into its fp32 parameter (the same upcast as
-        `K3Weights.from_official`); skip the vision tower; fail on any other name and on any text tensor
-        the checkpoint lacks. Returns the names loaded."""
+        """Copy each official text tensor (either spelling, `parity.weights.official_name`) into its fp32 parameter
+        (the same upcast as `K3Weights.from_official`); skip the vision tower; fail on any other name, on a tensor
+        stored twice and on any text tensor the checkpoint lacks. Returns the names loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for stored, tensor in weights:
+            name = official_name(stored)
+            if name in loaded:
+                raise ModelSetupError(f"checkpoint tensor {name} is stored twice (once as {stored})")
             if name in self.skipped_names:
                 continue
             if name not in params:

@@ -60,6 +60,39 @@ def test_round_trip_is_bitwise(ckpt: Path):
     assert index["metadata"]["total_size"] == total
 
 
+def test_reads_the_other_spelling_vllm_reads(ckpt: Path, tmp_path: Path):
+    """A checkpoint stored with `language_model.model.layers.` and `mm_projector.linear_1/2` (the names vLLM's K3
+    mapper produces, and torchtitan's key map reads) loads to the same official names and bits; a tensor stored
+    under both spellings is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from parity.weights import ALIASES, official_name
+
+    def alias(name: str) -> str:
+        for other, official in ALIASES:
+            if name.startswith(official):
+                return other + name[len(official):]
+        return name
+
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    (other / INDEX_FILE).unlink()
+    renamed = 0
+    for f in sorted(other.glob("*.safetensors")):
+        tensors = load_file(f)
+        save_file({alias(n): t for n, t in tensors.items()}, f)
+        renamed += sum(alias(n) != n for n in tensors)
+    _, want = load_checkpoint(ckpt)
+    assert renamed >= len([n for n in want if n.startswith("language_model.layers.")]) > 0
+    assert all(official_name(alias(n)) == n for n in want)
+    _, got = load_checkpoint(other)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    first = next(n for n in want if n.startswith("language_model.layers."))
+    save_file({first: want[first]}, other / "twice.safetensors")
+    with pytest.raises(CheckpointError, match="stored twice"):
+        load_checkpoint(other)
+
+
 def test_seed_decides_the_bits(ckpt: Path, tmp_path: Path):
     _, w0 = load_checkpoint(ckpt)
     same = init_checkpoint(TINY, tmp_path / "same", seed=0)

@@ -204,6 +204,10 @@ def test_load_weights_takes_official_names_and_refuses_leftovers(checkpoint: Pat
     cfg, tensors = load_checkpoint(checkpoint)
     assert model.load_weights(tensors.items()) == set(text_specs(cfg.text)) == {n for n, _ in model.named_parameters()}
     assert all(torch.equal(p, tensors[n].float()) for n, p in model.named_parameters())
+    other = {n.replace("language_model.layers.", "language_model.model.layers."): t for n, t in tensors.items()}
+    assert other.keys() != tensors.keys() and model.load_weights(other.items()) == set(text_specs(cfg.text))
+    with pytest.raises(ModelSetupError, match="stored twice"):
+        model.load_weights([*tensors.items(), *[(n, t) for n, t in other.items() if n not in tensors][:1]])
     with pytest.raises(ModelSetupError, match="not a K3 weight"):
         model.load_weights([*tensors.items(), ("language_model.extra.weight", torch.zeros(1))])
     first = next(iter(text_specs(cfg.text)))

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from parity.config import ConfigError, ModelConfig, load_model_config
-from parity.weights import WeightSpec, text_specs
+from parity.weights import WeightSpec, official_name, text_specs
 from parity.io.atomic import atomic_dir
 from parity.io.tokenizer import build_tokenizer
 from parity.io.vision import vision_specs
@@ -162,7 +162,8 @@ def _plan_shards(weights: dict[str, torch.Tensor], shard_bytes: int) -> list[lis
 
 
 def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read config and every tensor; fails naming the first missing or unexpected tensor."""
+    """Read config and every tensor under its official name (`parity.weights.official_name`: either spelling vLLM's
+    K3 loader reads); fails naming the first missing, unexpected or doubly stored tensor."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
@@ -177,8 +178,11 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     weights: dict[str, torch.Tensor] = {}
     for fname in files:
         with safe_open(str(path / fname), framework="pt") as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name)
+            for stored in f.keys():
+                name = official_name(stored)
+                if name in weights:
+                    raise CheckpointError(f"{path}: {name} is stored twice (once as {stored})")
+                weights[name] = f.get_tensor(stored)
     expected = all_specs(cfg)
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
