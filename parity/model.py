@@ -96,7 +96,7 @@ def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype = torch.float32) -
 
 
 class K3Forward:
-    """Binds weights and a kernel backend; `hidden`/`logits`/`token_logprobs` run the model."""
+    """Binds weights and a kernel set; `hidden`/`logits`/`token_logprobs` run the model."""
 
     def __init__(self, weights: K3Weights, kernels: Kernels):
         self.w = weights

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from parity.checker import ParityReport, SequenceLogprobs  # noqa: E402
+from parity.compare import ParityReport, SequenceLogprobs  # noqa: E402
 
 
 def plot_png(rollout: list[SequenceLogprobs], trainer: list[SequenceLogprobs], max_seqs: int = 16) -> bytes:

@@ -11,7 +11,7 @@ architectures stay registered as they are:
   config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`
   is on its MLA list), and MLA mode on CPU forces block 16 / no prefix caching; this model's latent cache is
   its own attention backend, not vLLM's MLA;
-- `zerokl_kernels` -> the parity kernel backend ("invariant", or "fast" for negative controls).
+- `zerokl_kernels` -> the parity kernel set ("invariant", or "fast" for negative controls).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3") -> dic
     checkpoint's `config.json` model_type) with zerokl's model on `kernels`."""
     from parity.kernels import get_kernels
 
-    get_kernels(kernels)  # fail here, in the caller's process, on an unknown backend name
+    get_kernels(kernels)  # fail here, in the caller's process, on an unknown kernel set name
     if model_type == "kimi_k3":
         text = {"text_config": {"model_type": TEXT_MODEL_TYPE}}
     elif model_type == "kimi_linear":

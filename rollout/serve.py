@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                             "parity mode")
     p.add_argument("--checkpoint", required=True, help="official Kimi K3 or Kimi Linear checkpoint directory")
     p.add_argument("--kernels", choices=("invariant", "fast"), default="invariant",
-                   help="parity kernel backend (fast: the non-invariant negative control)")
+                   help="parity kernel set (fast: the non-invariant negative control)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--lora-root", help="serve LoRA adapters, loadable at runtime only from inside this directory "

@@ -9,7 +9,7 @@ the trainer's `parity.model.score_sequences` gives it. MLA latents live in vLLM'
 states in vLLM's hybrid state cache (`rollout.caches`), so vLLM's memory accounting, preemption and
 prefix caching apply to them.
 
-The kernel backend is a config key (`zerokl_kernels` in `hf_overrides`, see `rollout.plugin`), so it
+The kernel set is a config key (`zerokl_kernels` in `hf_overrides`, see `rollout.plugin`), so it
 reaches every vLLM process the same way the checkpoint does.
 """
 

@@ -5,7 +5,7 @@ transformers' own `from_pretrained`, whose checkpoint conversion maps the offici
 f_b / A_log / dt_bias into `forget_gate`, q / k / v convs stacked into `conv1d`, `block_sparse_moe` renamed to
 `mlp`, per-expert w1 / w3 / w2 merged). transformers runs in fp32, eager attention and eager experts, on its
 pure-torch fallbacks (no fla or causal-conv1d kernels installed). zerokl runs the float64 reference and
-`parity.model` on both kernel backends, the prompts batched (right-padded) as the trainer scores them.
+`parity.model` on both kernel sets, the prompts batched (right-padded) as the trainer scores them.
 
 Bounds (fp32 vs fp64 and fp32 vs fp32), stated once; fp32 round-off accumulated through 8 layers:
   LOGPROB_ATOL = 5e-5     per-token log-probs, |lp| up to ~10 (fp32 spacing 9.5e-7 there);
@@ -110,7 +110,7 @@ def _transformers_logprobs(model, ids: Tensor) -> Tensor:
 
 def test_logprobs_agree(hf, ours, prompts):
     """Per-token log-probs of each prompt: transformers, zerokl's float64 reference and `parity.model` on the
-    invariant and fast backends (all prompts scored in one right-padded batch) agree within LOGPROB_ATOL."""
+    invariant and fast kernel sets (all prompts scored in one right-padded batch) agree within LOGPROB_ATOL."""
     model, _ = hf
     cfg, weights = ours
     reference = ReferenceK3(cfg, weights)

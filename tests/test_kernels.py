@@ -360,7 +360,7 @@ def test_moe_matches_bruteforce_float64() -> None:
 def test_unknown_backend_is_a_clear_error() -> None:
     import pytest
 
-    with pytest.raises(ValueError, match="unknown kernel backend 'auto'"):
+    with pytest.raises(ValueError, match="unknown kernel set 'auto'"):
         get_kernels("auto")
 
 

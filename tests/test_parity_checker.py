@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.checker import DumpError, SequenceLogprobs, compare, load_dump, write_dump
+from parity.compare import DumpError, SequenceLogprobs, compare, load_dump, write_dump
 from parity.config import load_model_config
 from parity.diagnose import diagnose
 from parity.kernels import INVARIANT

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zerokl.parity_check import Checker, selftest, task_prompts
+from zerokl.engine_check import Checker, selftest, task_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,8 +14,8 @@ from parity.config import ConfigError
 from rollout import serve
 from lora import cli as lora_cli
 from lora.spec import AdapterError
-from parity.checker import DumpError
-from zerokl import parity_cmd, plan
+from parity.compare import DumpError
+from zerokl import parity_cli, plan
 from zerokl.ppo import cli as ppo_cli
 from parity.io.checkpoint import CheckpointError, init_checkpoint
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_init_checkpoint(sub)
     plan.add_parser(sub)
-    parity_cmd.add_parser(sub)
+    parity_cli.add_parser(sub)
     ppo_cli.add_parser(sub)
     lora_cli.add_parser(sub)
     serve.add_parser(sub)

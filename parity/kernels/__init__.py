@@ -1,4 +1,4 @@
-"""The parity kernels: every op on the K3 log-prob path, in two named backends with one signature.
+"""The parity kernels: every op on the K3 log-prob path, in two named kernel sets with one signature.
 
 - `invariant`: a row's bits depend only on that row's inputs: not on batch size, batch composition,
   position in the batch, padding, or the prefill/decode split. What pins each property is documented in
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from parity.kernels.registry import BACKENDS, FAST, INVARIANT, Kernels
+from parity.kernels.registry import KERNEL_SETS, FAST, INVARIANT, Kernels
 
-__all__ = ["BACKENDS", "FAST", "INVARIANT", "Kernels", "get_kernels"]
+__all__ = ["KERNEL_SETS", "FAST", "INVARIANT", "Kernels", "get_kernels"]
 
 
 def get_kernels(name: str) -> Kernels:
-    """The backend called `name` ('invariant' or 'fast'); anything else is a user error.
+    """The kernel set called `name` ('invariant' or 'fast'); anything else is a user error.
 
     On a machine with CUDA, 'invariant' runs the Triton kernels on CUDA tensors and the CPU kernels on CPU
     tensors (`parity.kernels.triton.DEVICE_INVARIANT`, chosen per call by the input's device); Triton is
@@ -32,4 +32,4 @@ def get_kernels(name: str) -> Kernels:
         return INVARIANT
     if name == "fast":
         return FAST
-    raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")

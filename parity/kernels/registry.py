@@ -1,4 +1,4 @@
-"""The kernel backends: one `Kernels` record of op implementations per name, and the explicit choice.
+"""The kernel sets: one `Kernels` record of op implementations per name, and the explicit choice.
 
 - `invariant`: a row's bits depend only on that row's inputs (parity/README.md says what pins each).
 - `fast`: plain torch ops; the non-invariant baseline for benchmarks and negative controls.
@@ -13,12 +13,12 @@ import torch
 
 from parity.kernels import activations, attention, attn_res, conv, kda, linear, logprobs, moe, norms, primitives
 
-BACKENDS = ("invariant", "fast")
+KERNEL_SETS = ("invariant", "fast")
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """One backend's implementation of each op (see the op modules for shapes and formulas)."""
+    """One kernel set's implementation of each op (see the op modules for shapes and formulas)."""
 
     name: str
     sigmoid: Callable

@@ -64,7 +64,7 @@ def linear_saving_parameters(x: torch.Tensor, w: torch.Tensor, lora: LoRA | None
 
 
 def saving_parameters(kernels: Kernels) -> Kernels:
-    """`kernels` with the invariant linear replaced by `linear_saving_parameters` (other backends unchanged: `F.linear`
+    """`kernels` with the invariant linear replaced by `linear_saving_parameters` (other kernel sets unchanged: `F.linear`
     already saves the parameter itself)."""
     if kernels.linear is not linear_invariant:
         return kernels

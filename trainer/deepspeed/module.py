@@ -167,7 +167,7 @@ class DeepSpeedK3Model(nn.Module):
     next-token log-probs (`trainer.logprobs.padded_logprobs` over the shared forward).
 
     Parameters are fp32 masters (`dtype`), left uninitialised: fill them with `load_official`
-    (`trainer.deepspeed.io`). `kernels` names the parity backend. Invariant: `named_parameters()` of an unwrapped
+    (`trainer.deepspeed.io`). `kernels` names the parity kernel set. Invariant: `named_parameters()` of an unwrapped
     module are exactly `text_specs(cfg)`'s names, in module-tree order (the `model.` group first, then the layers,
     then lm_head: the order of the Megatron `MegatronK3Model`)."""
 
@@ -176,7 +176,7 @@ class DeepSpeedK3Model(nn.Module):
         self.cfg = cfg
         self.kernels = kernels
         self.specs = text_specs(cfg)
-        get_kernels(kernels)  # fail early on an unknown backend name
+        get_kernels(kernels)  # fail early on an unknown kernel set name
         for name, spec in self.specs.items():
             path, attr = name.rsplit(".", 1)
             module = self._container(path, _is_projection(spec, attr), spec.shape, dtype)

@@ -1,4 +1,4 @@
-"""Megatron's TransformerConfig extended with the K3 model: the official config and the parity kernel backend.
+"""Megatron's TransformerConfig extended with the K3 model: the official config and the parity kernel set.
 
 The model is Kimi K3 or Kimi Linear (K3 with its extra blocks switched off, `parity.config.TextConfig`).
 Megatron fields are filled from the K3 text config where Megatron has an equivalent (layers, widths, experts,
@@ -14,14 +14,14 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parity.config import ModelConfig
-from parity.kernels import BACKENDS
+from parity.kernels import KERNEL_SETS
 from trainer.megatron.parallel import ParallelContext
 from trainer.megatron.sharding import check_divisible
 
 
 @dataclass
 class K3TransformerConfig(TransformerConfig):
-    """TransformerConfig plus `k3` (the official model config) and `kernels` (a `parity.kernels` backend name)."""
+    """TransformerConfig plus `k3` (the official model config) and `kernels` (a `parity.kernels` kernel set name)."""
 
     k3: ModelConfig | None = None
     kernels: str = "invariant"
@@ -30,8 +30,8 @@ class K3TransformerConfig(TransformerConfig):
         super().__post_init__()
         if self.k3 is None:
             raise ValueError("K3TransformerConfig.k3: the official model config is required")
-        if self.kernels not in BACKENDS:
-            raise ValueError(f"K3TransformerConfig.kernels: choose one of {BACKENDS}, got {self.kernels!r}")
+        if self.kernels not in KERNEL_SETS:
+            raise ValueError(f"K3TransformerConfig.kernels: choose one of {KERNEL_SETS}, got {self.kernels!r}")
 
 
 def k3_transformer_config(model_cfg: ModelConfig, par: ParallelContext, kernels: str = "invariant",

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from lora.adapter import Adapter
-from parity.checker import SequenceLogprobs, compare
+from parity.compare import SequenceLogprobs, compare
 from parity.config import ConfigError
 from parity.diagnose import diagnose
 from parity.kernels import get_kernels

@@ -1,6 +1,6 @@
 """Triton versions of the invariant parity kernels (GPU; CPU tensors only under the Triton interpreter).
 
-`TRITON` is a `parity.kernels.Kernels` with the same op signatures as the CPU `INVARIANT` backend and
+`TRITON` is a `parity.kernels.Kernels` with the same op signatures as the CPU `INVARIANT` kernel set and
 the same invariance guarantees: a row's bits never depend on batch size, composition, position in the
 batch, padding, or the prefill/decode split. Parity holds within one platform: these bits are not the
 CPU kernels' bits. What pins each property is in each module's docstring:
@@ -20,10 +20,10 @@ Two differences from the CPU API, both needed by the chunked KDA and the grouped
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
   instead of a plain state tensor; it accepts either as `state` (a tensor means "at a chunk boundary").
 - `experts` (grouped expert GEMMs + combine on stacked expert weights) is an extra op here; the CPU
-  backend runs `parity.kernels.moe.experts_combine` over per-expert weight lists.
+  kernel set runs `parity.kernels.moe.experts_combine` over per-expert weight lists.
 
-`DEVICE_INVARIANT` is the invariant backend that runs these kernels on CUDA tensors and the CPU kernels
-on CPU tensors (chosen per call from the input's device; both are the invariant backend).
+`DEVICE_INVARIANT` is the invariant kernel set that runs these kernels on CUDA tensors and the CPU kernels
+on CPU tensors (chosen per call from the input's device; both are the invariant kernel set).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from parity.checker import DumpError, ParityReport, SequenceLogprobs, compare
+from parity.compare import DumpError, ParityReport, SequenceLogprobs, compare
 from parity.config import ModelConfig
 from parity.diagnose import Divergence, diagnose
 from parity.kernels import get_kernels

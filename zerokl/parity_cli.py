@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from parity.checker import ParityReport, compare, format_report, load_dump
+from parity.compare import ParityReport, compare, format_report, load_dump
 from parity.report import write_html
 
 
@@ -37,7 +37,7 @@ def _run_diff(args: argparse.Namespace) -> int:
 
 
 def _checker(args: argparse.Namespace, lora: str | None = None):
-    from zerokl.parity_check import Checker
+    from zerokl.engine_check import Checker
 
     if not (Path(args.model) / "config.json").is_file():
         raise FileNotFoundError(f"--model {args.model}: not a checkpoint directory (no config.json)")
@@ -45,7 +45,7 @@ def _checker(args: argparse.Namespace, lora: str | None = None):
 
 
 def _prompts(args: argparse.Namespace, checker) -> list[list[int]]:
-    from zerokl.parity_check import load_prompts, task_prompts
+    from zerokl.engine_check import load_prompts, task_prompts
 
     if args.prompts:
         return load_prompts(args.prompts, checker.tokenizer)
@@ -71,7 +71,7 @@ def _run_check(args: argparse.Namespace) -> int:
 
 
 def _run_selftest(args: argparse.Namespace) -> int:
-    from zerokl.parity_check import selftest
+    from zerokl.engine_check import selftest
 
     checker = _checker(args)
     try:
