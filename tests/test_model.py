@@ -76,7 +76,7 @@ def test_incremental_schedules_equal_one_pass(weights: K3Weights, data: st.DataO
     _assert_bits(score_incrementally(fwd, seq, splits), one_pass)
 
 
-def test_fast_backend_breaks_batch_invariance(weights: K3Weights) -> None:
+def test_fast_kernels_break_batch_invariance(weights: K3Weights) -> None:
     """Negative control: the same property on plain torch ops fails, though values agree to round-off."""
     fwd = K3Forward(weights, FAST)
     seqs = _seqs(8, seed=1)
@@ -100,7 +100,7 @@ def test_logprobs_sane(weights: K3Weights) -> None:
     assert not torch.equal(lp2[3:], lp[3:])  # context matters
 
 
-def test_both_backends_match_float64_reference(weights: K3Weights) -> None:
+def test_both_kernel_sets_match_float64_reference(weights: K3Weights) -> None:
     """fp32 forward (either backend) vs the float64 reference on the same weights: stated fp32 bound."""
     from parity.reference.model import ReferenceK3
 
@@ -113,7 +113,7 @@ def test_both_backends_match_float64_reference(weights: K3Weights) -> None:
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=5e-5)
 
 
-def test_gradients_finite_and_match_fast_backend() -> None:
+def test_gradients_finite_and_match_fast_kernels() -> None:
     """Training backpropagates through the invariant forward: finite, and equal to the plain-torch
     backend's gradients within fp32 round-off (the backward need not be invariant, only correct)."""
     cfg = load_model_config("configs/k3-tiny.yaml")

@@ -370,7 +370,6 @@ def test_hidden_states_capture_every_block(tiny, model: ReferenceK3, tokens: Ten
     for i in range(cfg.num_hidden_layers):
         for part in ("attn_in", "attn", "mlp_in", "mlp"):
             assert states[f"layer{i}.{part}"].shape == (len(tokens), cfg.hidden_size)
-    assert torch.equal(states["logits"], model.forward(tokens))
     assert_close(states["final_norm"], rmsnorm(states["final"], model.weights["language_model.model.norm.weight"],
                                                cfg.rms_norm_eps), 1e-14, "final norm")
 

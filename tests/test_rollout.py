@@ -104,7 +104,7 @@ def _trainer_mismatches(samples: list[Sample], weights: K3Weights, kernels: Kern
     return sum(not torch.equal(t, s.logprobs) for t, s in zip(trainer, samples)), worst
 
 
-def test_generated_logprobs_equal_trainer_scoring(reference: list[list[Sample]], weights: K3Weights) -> None:
+def test_vllm_generation_equals_one_pass_forward(reference: list[list[Sample]], weights: K3Weights) -> None:
     samples = [s for group in reference for s in group]
     assert all(len(s.completion_ids) > 0 and s.logprobs.dtype == torch.float32 for s in samples)
     assert all(s.policy_version == 0 for s in samples)

@@ -88,9 +88,17 @@ def test_column_shards_keep_the_gemm_bits(official: tuple[ModelConfig, dict[str,
 
 
 def test_cpu_compat_wraps_exactly_the_listed_spots() -> None:
-    applied = cpu_compat.apply()
-    assert applied == cpu_compat.apply()  # idempotent
-    assert len(applied) == len(cpu_compat.PATCHES) and all("megatron/core/" in a for a in applied)
+    """Every listed megatron-core callable is wrapped, once: a second `apply` wraps nothing again (the wrapped
+    callables run in every trainer test below)."""
+    cpu_compat.apply()
+    wrapped = [p.owner.__dict__[p.attr] for p in cpu_compat.PATCHES]
+    cpu_compat.apply()
+    again = [p.owner.__dict__[p.attr] for p in cpu_compat.PATCHES]
+    for p, fn, fn2 in zip(cpu_compat.PATCHES, wrapped, again):
+        inner = fn.__func__ if isinstance(fn, staticmethod) else fn
+        assert getattr(inner, "__zerokl_cpu_compat__", False), f"{p.attr} not wrapped"
+        assert fn2 is fn, f"{p.attr} wrapped twice"
+        assert not getattr(getattr(inner, "__wrapped__", None), "__zerokl_cpu_compat__", False), f"{p.attr} nested"
 
 
 def test_load_export_round_trip_is_bitwise(par: ParallelContext, checkpoint: Path,
@@ -139,7 +147,7 @@ def test_logprobs_and_gradients_match_float64_reference(
     assert worst[name] < 1e-3, f"{name}: gradient off the float64 reference by {worst[name]:.2e} (relative)"
 
 
-def test_logprobs_equal_rollout_decode_schedule(par: ParallelContext,
+def test_megatron_logprobs_equal_shared_forward_decode_schedule(par: ParallelContext,
                                                 official: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     """Prompts + completions scored in one padded (and one packed) forward by the Megatron model equal, bit for
     bit, the shared forward run the rollout engine's way: prefill the prompt, then decode one token per step."""
