@@ -1,12 +1,15 @@
 """The invariances of the CPU kernels that rest on this host's libraries, checked on this host.
 
 Most of `kernels/` is invariant by construction: IEEE `+ - * /` element-wise, `tree_sum` reductions in
-one fixed order, top-k with a fixed tie-break. Three properties are observed instead, because they
+one fixed order, top-k with a fixed tie-break. These properties are observed instead, because they
 depend on kernels the host's libraries pick for its CPU:
 
 - `linear` / `attention`: every GEMM has one fixed tile shape, so a row's bits cannot depend on the
   batch's row count; that a row's bits do not depend on its *position inside* a tile (or on the thread
   count) is a property of the BLAS micro-kernel (MKL's sgemm here), not of zerokl's code.
+- `linear` columns: the Megatron trainer at TP > 1 computes each rank's share of a column-split weight
+  as its own GEMM; that a column's bits do not depend on how many other columns the weight has (for
+  widths of at least `TP_MIN_COLUMNS`) is again the BLAS's property.
 - `elementwise`: `exp`, `log1p`, `tanh`, `rsqrt`, `sqrt` give the same bits in ATen's SIMD body and in
   its tail (an element alone vs inside a long tensor).
 
@@ -57,6 +60,24 @@ def _linear_tile_positions(g: torch.Generator) -> str:
     return ""
 
 
+TP_MIN_COLUMNS = 12  # narrower column shards take another MKL path; the trainer gathers those (trainer/megatron/sharding.py)
+
+
+def _linear_column_shards(g: torch.Generator) -> str:
+    x = torch.randn(37, 256, generator=g)
+    for n in (24, 64, 200, 1024):
+        w = torch.randn(n, 256, generator=g)
+        whole = linear_invariant(x, w)
+        for parts in (2, 4):
+            if n // parts < TP_MIN_COLUMNS:
+                continue
+            for i, (part, cols) in enumerate(zip(w.chunk(parts), whole.chunk(parts, dim=1))):
+                bad = _mismatch(linear_invariant(x, part), cols)
+                if bad:
+                    return f"N={n} in {parts} column shards, shard {i}: {bad}"
+    return ""
+
+
 def _linear_threads(g: torch.Generator) -> str:
     x, w = torch.randn(37, 512, generator=g), torch.randn(768, 512, generator=g)
     before = torch.get_num_threads()
@@ -104,6 +125,7 @@ def _elementwise_layout(g: torch.Generator) -> str:
 
 CHECKS: dict[str, Callable[[torch.Generator], str]] = {
     "linear: a row's bits at every position of a GEMM tile": _linear_tile_positions,
+    "linear: a column's bits in a column shard of the weight (TP)": _linear_column_shards,
     "linear: thread count": _linear_threads,
     "attention: each query decoded alone vs prefilled in its tile": _attention_decode_vs_prefill,
     "elementwise: SIMD body vs tail (exp, tanh, log1p, rsqrt, sqrt)": _elementwise_layout,

@@ -372,7 +372,7 @@ def test_host_check_holds_here_and_catches_a_plain_gemm(monkeypatch: pytest.Monk
     from zerokl.cli import main
 
     assert main(["parity", "kernels"]) == 0
-    assert "4/4 host-dependent invariances hold" in capsys.readouterr().out
+    assert "5/5 host-dependent invariances hold" in capsys.readouterr().out
     monkeypatch.setattr(host_check, "linear_invariant", linear_fast)
     assert main(["parity", "kernels"]) == 1
     assert "FAIL linear: a row's bits at every position" in capsys.readouterr().out
