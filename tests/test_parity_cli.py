@@ -3,7 +3,9 @@
 Check (invariant kernels): every sampled log-prob bitwise equal for batched and alone rollouts, which also
 agree with each other; the HTML report renders a real plot. Fast kernels: a non-zero max |d| and exit 1,
 with a diagnosis naming a block. Selftest: one-ulp rollout-side perturbations detected and localised
-(3 trials here; the README reports a 20-trial run)."""
+(3 trials here; the README reports a 20-trial run). The command runs in-process (`zerokl.cli.main`, what the
+console script calls; tests/test_cli.py runs the script itself), before the module's shared `Checker` exists:
+one Megatron trainer per process at a time."""
 
 from __future__ import annotations
 
@@ -11,22 +13,57 @@ import base64
 import io
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from zerokl.cli import main
 from zerokl.engine_check import Checker, selftest, task_prompts
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 
 @pytest.fixture(scope="module")
 def ckpt(k3_tiny: Path) -> Path:
     return k3_tiny
+
+
+def test_cli_fast_kernels_fail_with_report(ckpt: Path, tmp_path: Path) -> None:
+    rc = main(["parity", "check", "--model", str(ckpt), "--num-prompts", "6", "--max-tokens", "12", "--batch-mix", "both",
+               "--kernels", "fast", "--json", str(tmp_path / "r.json"), "--report", str(tmp_path / "r.html")])
+    assert rc == 1
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["max_abs_diff"] > 0 and data["bitwise_equal"] < data["tokens"]
+    assert "first divergence at" in data["diagnosis"]
+    page = (tmp_path / "r.html").read_text()
+    assert "FAIL" in page and "first divergence at" in page
+    png = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)", page).group(1))
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png)).convert("L")
+    assert img.size[0] > 400 and len(set(img.tobytes())) > 20
+
+
+def test_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["parity", "check", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint directory" in err and "Traceback" not in err
+
+
+def test_cli_lora_check_is_bitwise(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's acceptance command: both sides with a PEFT adapter (scale 3/8), 8 prompts x 16 tokens."""
+    adapter = tmp_path / "adapter"
+    assert main(["lora", "init", "--model", str(ckpt), "--out", str(adapter), "--rank", "8", "--alpha", "3",
+                 "--seed", "7"]) == 0
+    assert main(["parity", "check", "--model", str(ckpt), "--lora", str(adapter), "--num-prompts", "8",
+                 "--max-tokens", "16", "--batch-mix", "both", "--json", str(tmp_path / "r.json")]) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["bitwise_equal"] == data["tokens"] > 0
+    capsys.readouterr()
+    assert main(["parity", "check", "--model", str(ckpt), "--lora", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "no adapter_config.json" in err and "Traceback" not in err
 
 
 @pytest.fixture(scope="module")
@@ -51,45 +88,3 @@ def test_selftest_detects_and_localises(checker: Checker) -> None:
     assert all(t.diagnosed_block == t.expected_block for t in trials), trials
     # the engine is back on the checkpoint's weights: parity holds again
     assert checker.check(task_prompts(4, 2, checker.tokenizer), mix="random", max_tokens=8).report.all_equal
-
-
-def test_cli_fast_kernels_fail_with_report(ckpt: Path, tmp_path: Path) -> None:
-    exe = str(Path(sys.executable).with_name("zerokl"))
-    res = subprocess.run([exe, "parity", "check", "--model", str(ckpt), "--num-prompts", "6", "--max-tokens", "12",
-                          "--batch-mix", "both", "--kernels", "fast", "--json", str(tmp_path / "r.json"),
-                          "--report", str(tmp_path / "r.html")], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
-    data = json.loads((tmp_path / "r.json").read_text())
-    assert data["max_abs_diff"] > 0 and data["bitwise_equal"] < data["tokens"]
-    assert "first divergence at" in data["diagnosis"]
-    page = (tmp_path / "r.html").read_text()
-    assert "FAIL" in page and "first divergence at" in page
-    png = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)", page).group(1))
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(png)).convert("L")
-    assert img.size[0] > 400 and len(set(img.tobytes())) > 20
-
-
-def test_cli_user_errors(tmp_path: Path) -> None:
-    exe = str(Path(sys.executable).with_name("zerokl"))
-    res = subprocess.run([exe, "parity", "check", "--model", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "not a checkpoint directory" in res.stderr and "Traceback" not in res.stderr
-
-
-def test_cli_lora_check_is_bitwise(ckpt: Path, tmp_path: Path) -> None:
-    """The issue's acceptance command: both sides with a PEFT adapter (scale 3/8), 8 prompts x 16 tokens."""
-    exe = str(Path(sys.executable).with_name("zerokl"))
-    adapter = tmp_path / "adapter"
-    init = subprocess.run([exe, "lora", "init", "--model", str(ckpt), "--out", str(adapter), "--rank", "8",
-                           "--alpha", "3", "--seed", "7"], capture_output=True, text=True, timeout=120)
-    assert init.returncode == 0, init.stderr
-    res = subprocess.run([exe, "parity", "check", "--model", str(ckpt), "--lora", str(adapter), "--num-prompts", "8",
-                          "--max-tokens", "16", "--batch-mix", "both", "--json", str(tmp_path / "r.json")],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    data = json.loads((tmp_path / "r.json").read_text())
-    assert data["bitwise_equal"] == data["tokens"] > 0
-    bad = subprocess.run([exe, "parity", "check", "--model", str(ckpt), "--lora", str(tmp_path / "nowhere")],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "no adapter_config.json" in bad.stderr and "Traceback" not in bad.stderr
