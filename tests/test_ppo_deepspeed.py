@@ -7,6 +7,7 @@ ranks) against `zerokl ppo` on the Megatron backend from the same seed, `STEPS` 
 both, the same rollouts (rewards, PPO loss and grad norm of every step, which are functions of every sampled token
 and log-prob, are equal) and bitwise equal fp32 weights at every checkpoint, including the final one. The same
 comparison over 20 steps was run by hand (trainer/deepspeed/README.md). User mistakes exit 2 before anything starts.
+One-process commands run in-process (`zerokl.cli.main`); the two-rank run goes through the launcher.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from lora.adapter import save_adapter
 from lora.init import random_adapter
 from parity.io.checkpoint import load_checkpoint
+from zerokl.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -45,14 +47,15 @@ def config(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _zerokl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    exe = str(Path(sys.executable).with_name("zerokl"))
-    return subprocess.run([exe, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
-
-
 def _ppo(config: Path, out: Path, *args: str) -> list[dict]:
-    res = _zerokl("ppo", "--config", str(config), "--out", str(out), *args)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    """`zerokl ppo`: in this process, or through the launcher when `args` ask for several processes."""
+    argv = ["ppo", "--config", str(config), "--out", str(out), *args]
+    if "--nproc-per-node" in args:
+        exe = str(Path(sys.executable).with_name("zerokl"))
+        res = subprocess.run([exe, *argv], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    else:
+        assert main(argv) == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -66,16 +69,17 @@ def runs(config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tu
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
-def test_parity_check_deepspeed_is_bitwise(lora: bool, ckpt: Path, tmp_path: Path) -> None:
+def test_parity_check_deepspeed_is_bitwise(lora: bool, ckpt: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     """With `lora`: an adapter on every supported projection (r 8, scale 3/8, B non-zero)."""
     args = []
     if lora:
         adapter = random_adapter(load_checkpoint(ckpt)[0].text, rank=8, alpha=3, seed=7)
         args = ["--lora", str(save_adapter(adapter, tmp_path / "adapter"))]
-    res = _zerokl("parity", "check", "--model", str(ckpt), "--backend", "deepspeed", "--num-prompts", "8",
-                  "--max-tokens", "16", "--batch-mix", "both", "--json", str(tmp_path / "r.json"), *args)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert "trainer deepspeed ZeRO-3" in res.stdout
+    rc = main(["parity", "check", "--model", str(ckpt), "--backend", "deepspeed", "--num-prompts", "8",
+               "--max-tokens", "16", "--batch-mix", "both", "--json", str(tmp_path / "r.json"), *args])
+    assert rc == 0
+    assert "trainer deepspeed ZeRO-3" in capsys.readouterr().out
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["tokens"] == data["bitwise_equal"] == 2 * 8 * 16
     assert data["max_abs_diff"] == 0.0 and data["kl_k1"] == 0.0 and data["ratio_min"] == data["ratio_max"] == 1.0
@@ -100,12 +104,15 @@ def test_two_rank_zero3_ppo_equals_megatron(runs: dict[str, tuple[list[dict], Pa
 
 
 def test_user_mistakes_exit_2_before_starting(config: Path, runs: dict[str, tuple[list[dict], Path]],
-                                             tmp_path: Path) -> None:
+                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--nproc-per-node > 1 on Megatron; a DeepSpeed checkpoint resumed by another backend or process count."""
     cases = [(["--nproc-per-node", "2"], "megatron backend runs in one process"),
              (["--resume", str(runs["deepspeed"][1] / "checkpoints" / "step-2")], "resume with the same backend"),
              (["--backend", "deepspeed", "--resume", str(runs["deepspeed"][1] / "checkpoints" / "step-2")],
               "2 processes")]
     for args, message in cases:
-        res = _zerokl("ppo", "--config", str(config), "--out", str(tmp_path / "bad"), *args, timeout=120)
-        assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+        capsys.readouterr()
+        assert main(["ppo", "--config", str(config), "--out", str(tmp_path / "bad"), *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err[-2000:]
+        assert not (tmp_path / "bad").exists()
