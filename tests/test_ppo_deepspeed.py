@@ -26,7 +26,7 @@ from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 10
+STEPS = 4  # two checkpoints compared; the 20-step comparison is in trainer/deepspeed/README.md
 CHECKPOINT_EVERY = 2
 TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 
