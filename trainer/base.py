@@ -41,9 +41,9 @@ class TrainerBackend(ABC):
     trainer: Any  # the backend's own trainer (`trainer.megatron.train.Trainer` / `DeepSpeedTrainer`), for reaching past the seam
 
     @property
-    @abstractmethod
     def model(self) -> Any:
-        """The wrapped model (Megatron DDP / DeepSpeed engine)."""
+        """The wrapped model (Megatron DDP / DeepSpeed engine): every backend's trainer exposes it as `.model`."""
+        return self.trainer.model
 
     @property
     def rank(self) -> int:

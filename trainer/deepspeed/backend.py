@@ -6,7 +6,6 @@ rank is given the same batches, so data parallelism partitions memory only and e
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -33,10 +32,6 @@ class DeepSpeedBackend(TrainerBackend):
                                                persistence_threshold=PERSISTENCE_THRESHOLD)
         self.model_cfg = self.trainer.model_cfg
         self.has_adapter = adapter is not None
-
-    @property
-    def model(self) -> Any:
-        return self.trainer.model
 
     def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
         return train_step(self.trainer, loss_fn)

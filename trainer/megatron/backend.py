@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -35,10 +34,6 @@ class MegatronBackend(TrainerBackend):
                                      kernels=kernels, adapter=adapter)
         self.model_cfg = self.trainer.module.config.k3
         self.has_adapter = adapter is not None
-
-    @property
-    def model(self) -> Any:
-        return self.trainer.model
 
     def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
         return train_step(self.trainer, loss_fn)
