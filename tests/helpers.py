@@ -1,17 +1,21 @@
-"""Helpers several test modules use: bit-equality assertions that say where bits differ, a free local port, and a
+"""Helpers several test modules use: bit-equality assertions that say where bits differ, two-rank torchrun checks, a free
+local port, and a
 vLLM server process for the test's duration."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -27,6 +31,26 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
 def assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
     """`torch.equal`, failing with `first_mismatch`."""
     assert torch.equal(a, b), first_mismatch(a, b)
+
+
+def torchrun_checks(script: Path, args: Sequence[str], checks: int, timeout: float = 300) -> str:
+    """Run `script` on 2 local ranks (`torchrun --nproc_per_node 2`, gloo, one thread each) and require exit 0 with
+    `checks` lines starting "ok  " on stdout; returns stdout. A timeout kills torchrun and its workers (their own
+    process group) and fails with their output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun {script.name} {' '.join(args)} timed out after {timeout:.0f} s:\n{out}\n{err[-6000:]}")
+    ok = [line for line in out.splitlines() if line.startswith("ok  ")]
+    assert proc.returncode == 0 and len(ok) == checks, f"rc={proc.returncode}\n{out}\n{err[-6000:]}"
+    return out
 
 
 def free_port() -> int:

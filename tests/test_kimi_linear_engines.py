@@ -11,11 +11,6 @@ weight syncs the engine's log-probs still equal the trainer's (torch.equal). One
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +31,7 @@ from zerokl import cli
 from parity.io.checkpoint import CheckpointError, load_checkpoint
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun
+from helpers import torchrun_checks
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "kimi-linear-tiny.yaml"
@@ -98,27 +94,10 @@ def test_a_log_splits_over_heads_on_dim_2(ckpt: Path) -> None:
     assert all(p.shape == (1, 1, 2, 1) for p in parts) and torch.equal(torch.cat(parts, dim=2), a_log)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_trainer_tp2_ep2(ckpt: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(REPO / "tests" / "dist" / "trainer_parallel.py"), "--tp", "2",
-           "--ep", "2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun timed out:\n{out}\n{err[-6000:]}")
-    ok = [line for line in out.splitlines() if line.startswith("ok  ")]
-    assert proc.returncode == 0 and len(ok) == 7, f"rc={proc.returncode}\n{out}\n{err[-6000:]}"
+    torchrun_checks(REPO / "tests" / "dist" / "trainer_parallel.py",
+                    ["--tp", "2", "--ep", "2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")], 7)
 
 
 def test_parity_check_command_is_bitwise(ckpt: Path, tmp_path: Path) -> None:

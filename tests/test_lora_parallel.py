@@ -8,14 +8,9 @@ loss; the per-TP-rank adapter state shards reassemble bit for bit.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from helpers import torchrun_checks
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,25 +18,8 @@ WORKER = ROOT / "tests" / "dist" / "lora_parallel.py"
 CHECKS = 6  # "ok" lines the worker prints on success
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_lora_trainer_tp2_ep2(k3_tiny: Path, tmp_path: Path) -> None:
     checkpoint = k3_tiny
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), "--tp", "2", "--ep", "2",
-           "--checkpoint", str(checkpoint), "--out", str(tmp_path / "state")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # own process group: a timeout ends torchrun and its workers
-    try:
-        out, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun timed out after 300 s:\n{out}\n{err[-6000:]}")
-    ok = [line for line in out.splitlines() if line.startswith("ok  ")]
-    assert proc.returncode == 0 and len(ok) == CHECKS, f"rc={proc.returncode}\n{out}\n{err[-6000:]}"
+    torchrun_checks(WORKER, ["--tp", "2", "--ep", "2", "--checkpoint", str(checkpoint),
+                             "--out", str(tmp_path / "state")], CHECKS)

@@ -10,11 +10,6 @@ weight and the trained adapter to be equal bit for bit.
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -26,17 +21,13 @@ from lora.adapter import save_adapter
 from lora.init import random_adapter
 from trainer.deepspeed.engine import destroy_dist, init_dist
 from parity.io.checkpoint import load_checkpoint
+from helpers import torchrun_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "deepspeed_zero.py"
 CHECKS = 6  # "ok" lines the worker prints on success
 TIMEOUT_S = 300
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker() -> ModuleType:
@@ -70,20 +61,8 @@ def one_rank(inputs: tuple[Path, Path]) -> Iterator[dict]:
 def test_zero3_two_ranks_equal_one_rank(inputs: tuple[Path, Path], one_rank: dict, tmp_path: Path) -> None:
     checkpoint, adapter = inputs
     out = tmp_path / "two_ranks.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), "--checkpoint", str(checkpoint), "--adapter",
-           str(adapter), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # own process group: a timeout ends torchrun and its workers
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun (2 ranks) timed out after {TIMEOUT_S} s:\n{stdout}\n{stderr[-6000:]}")
-    ok = [line for line in stdout.splitlines() if line.startswith("ok  ")]
-    assert proc.returncode == 0 and len(ok) == CHECKS, f"rc={proc.returncode}\n{stdout}\n{stderr[-6000:]}"
+    torchrun_checks(WORKER, ["--checkpoint", str(checkpoint), "--adapter", str(adapter), "--out", str(out)], CHECKS,
+                    TIMEOUT_S)
     two_ranks = torch.load(out)
     for what in ("base", "lora"):
         one, two = one_rank[what], two_ranks[what]
