@@ -1,6 +1,5 @@
-"""Helpers several test modules use: bit-equality assertions that say where bits differ, two-rank torchrun checks, a free
-local port, and a
-vLLM server process for the test's duration."""
+"""Helpers several test modules use: bit-equality assertions that say where bits differ, two-rank torchrun checks, a
+free local port, and a vLLM server process for the test's duration."""
 
 from __future__ import annotations
 
