@@ -86,6 +86,8 @@ def test_disk_transport_round_trip(tmp_path: Path) -> None:
 def test_shared_memory_round_trip_and_release() -> None:
     """One segment per version; the receiving side (`by_name("shared_memory")`, as in a vLLM worker) copies the
     tensors out; `WeightSync` releases the segment once the receiver is done, accepted or not."""
+    segments = lambda: set(Path("/dev/shm").glob(f"zerokl-{os.getpid()}-*"))  # noqa: E731
+    before = segments()
     store = TensorStore(_weights(0))
     shm = SharedMemory()
     message = shm.send(WeightBundle.make(1, _weights(1)))
@@ -100,7 +102,7 @@ def test_shared_memory_round_trip_and_release() -> None:
     bad = _corrupt(WeightBundle.make(2, _weights(2)), "a.weight")
     report = WeightSync(SharedMemory(), store, strict=False)(bad)
     assert "checksum mismatch" in report.error and store.version == 1
-    assert not [p for p in Path("/dev/shm").glob(f"zerokl-{os.getpid()}-*")]
+    assert segments() == before
 
 
 def test_checksum_is_device_and_order_free_and_catches_one_bit() -> None:
