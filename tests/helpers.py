@@ -1,5 +1,6 @@
 """Helpers several test modules use: bit-equality assertions that say where bits differ, two-rank torchrun checks, a
-free local port, and a vLLM server process for the test's duration."""
+free local port, a vLLM server process for the test's duration, and the settings and shapes of what the session shares
+(conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,29 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+
+# The shared engine's (and, but for the match unit, the shared server's) settings: prefix caching with a 16-token match
+# unit, below the 128-token cache block, so prefix hits can also land inside a block; up to 16 sequences; LoRA with 2
+# slots of rank <= 8.
+K3_ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 16, "enable_prefix_caching": True, "prefix_match_unit": 16}
+K3_LORA_ARGS = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+PPO_REFERENCE_STEPS = 24
+PPO_REFERENCE_CHECKPOINTS = (2, 4)
+
+
+@dataclass(frozen=True)
+class PPOReference:
+    """A finished `zerokl ppo` run (the `ppo_reference` fixture): its per-step metrics and its run directory
+    (`checkpoints/step-N`)."""
+
+    metrics: list[dict]
+    out: Path
 
 
 def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:

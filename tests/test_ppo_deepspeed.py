@@ -3,11 +3,12 @@
 `zerokl parity check --backend deepspeed` (ZeRO-3, one process), base and with a LoRA adapter (`--lora`: the rollout
 engine's LoRA against PEFT's on the DeepSpeed trainer): every sampled token's log-prob bitwise equal, batched and
 alone. `zerokl ppo --backend deepspeed --nproc-per-node 2` (ZeRO-3, every parameter partitioned over the two
-ranks) against `zerokl ppo` on the Megatron backend from the same seed, `STEPS` steps: KL exactly 0 at every step on
-both, the same rollouts (rewards, PPO loss and grad norm of every step, which are functions of every sampled token
-and log-prob, are equal) and bitwise equal fp32 weights at every checkpoint, including the final one. The same
-comparison over 20 steps was run by hand (trainer/deepspeed/README.md). User mistakes exit 2 before anything starts.
-One-process commands run in-process (`zerokl.cli.main`); the two-rank run goes through the launcher.
+ranks) against `zerokl ppo` on the Megatron backend from the same seed (the session's `ppo_reference` run), `STEPS`
+steps: KL exactly 0 at every step on both, the same rollouts (rewards, PPO loss and grad norm of every step, which
+are functions of every sampled token and log-prob, are equal) and bitwise equal fp32 weights at every checkpoint,
+including the final one. The same comparison over 20 steps was run by hand (trainer/deepspeed/README.md). User
+mistakes exit 2 before anything starts. One-process commands run in-process (`zerokl.cli.main`); the two-rank run
+goes through the launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lora.adapter import save_adapter
 from lora.init import random_adapter
 from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
+from helpers import PPO_REFERENCE_CHECKPOINTS, PPOReference
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4  # two checkpoints compared; the 20-step comparison is in trainer/deepspeed/README.md
@@ -47,25 +49,20 @@ def config(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _ppo(config: Path, out: Path, *args: str) -> list[dict]:
-    """`zerokl ppo`: in this process, or through the launcher when `args` ask for several processes."""
-    argv = ["ppo", "--config", str(config), "--out", str(out), *args]
-    if "--nproc-per-node" in args:
-        exe = str(Path(sys.executable).with_name("zerokl"))
-        res = subprocess.run([exe, *argv], cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    else:
-        assert main(argv) == 0
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
-def runs(config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], Path]]:
-    """The same run on the Megatron backend (one process) and on DeepSpeed ZeRO-3 over two processes."""
-    root = tmp_path_factory.mktemp("ds-runs")
-    return {"megatron": (_ppo(config, root / "megatron"), root / "megatron"),
-            "deepspeed": (_ppo(config, root / "deepspeed", "--backend", "deepspeed", "--zero-stage", "3",
-                               "--nproc-per-node", "2"), root / "deepspeed")}
+def runs(config: Path, ppo_reference: PPOReference,
+         tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], Path]]:
+    """The same run on the Megatron backend (the reference run, one process) and on DeepSpeed ZeRO-3 over two
+    processes (the launcher)."""
+    assert all(step in PPO_REFERENCE_CHECKPOINTS for step in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY))
+    out = tmp_path_factory.mktemp("ds-runs") / "deepspeed"
+    argv = ["ppo", "--config", str(config), "--out", str(out), "--backend", "deepspeed", "--zero-stage", "3",
+            "--nproc-per-node", "2"]
+    res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), *argv], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    deepspeed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"megatron": (ppo_reference.metrics[:STEPS], ppo_reference.out), "deepspeed": (deepspeed, out)}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])

@@ -2,7 +2,8 @@
 
 One 20-step run: KL exactly 0 and every log-prob bitwise equal at every step, the reward rises, each step's
 adapter sync is a small fraction of the full-weight sync it is reported next to, the base weights never move;
-then a resume from the step-16 checkpoint reproduces steps 16-19 and the final adapter bit for bit.
+then a resume from the step-18 checkpoint reproduces steps 18-19 (two Adam updates from the restored state) and the
+final adapter bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun
 
 STEPS = 20
-RESUME_AT = 16  # late: the resume replays only what it must to prove the state complete
+RESUME_AT = 18  # late: the resume replays only what it must to prove the state complete (two optimizer steps)
 TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds", "full_sync_seconds"}
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,13 +1,13 @@
 """K3 in the real vLLM engine (CPU), parity mode: bits, not tolerances.
 
-One k3-tiny checkpoint per module; one reference engine (prefix caching on with a 16-token match unit,
-max_num_seqs 16) generates a workload of 28 mixed-length prompts (4 end just before a 128-token cache
-block boundary, 4 share a 300-token prefix, more than two blocks), 2 samples each. Every generated
+The session's k3-tiny checkpoint and shared engine (`k3_engine`: prefix caching on with a 16-token match unit,
+max_num_seqs 16, LoRA slots that these base requests leave empty) generate a workload of 28 mixed-length prompts (4
+end just before a 128-token cache block boundary, 4 share a 300-token prefix, more than two blocks), 2 samples each. Every generated
 log-prob must equal the trainer's one-pass `score_sequences` on the same weights, and the same
 (prompt, seed) must give the same tokens and log-probs: at other batch positions, alone, from a warm
 prefix cache (hits on block boundaries and inside blocks), with one sequence at a time and 13-token
-prefill chunks, under forced preemption, and over the OpenAI server. The `fast` kernels break this
-(negative control).
+prefill chunks, under forced preemption, and over the OpenAI server (the session's `zerokl serve`). The `fast` kernels
+break this (negative control).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,14 +29,12 @@ from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
 from rollout import serve
 from parity.io.checkpoint import load_checkpoint
 
-from helpers import free_port, running_server
+from helpers import K3_ENGINE_ARGS
 
 TEMPERATURE = 0.9
 MAX_TOKENS = 8
 N = 2
-# prefix_match_unit 16 < the 128-token cache block: prefix hits can also land inside a block.
-ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 16, "enable_prefix_caching": True, "prefix_match_unit": 16}
-BLOCK = 128
+BLOCK = 128  # vLLM's cache block; the shared engine's prefix_match_unit is 16
 
 
 
@@ -66,9 +63,8 @@ LONG = range(24, 28)  # the prompts sharing a 300-token prefix
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint: Path) -> Iterator[RolloutEngine]:
-    with RolloutEngine(checkpoint, **ENGINE_ARGS) as eng:
-        yield eng
+def engine(k3_engine: RolloutEngine) -> RolloutEngine:
+    return k3_engine
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +103,7 @@ def _trainer_mismatches(samples: list[Sample], weights: K3Weights, kernels: Kern
 def test_vllm_generation_equals_one_pass_forward(reference: list[list[Sample]], weights: K3Weights) -> None:
     samples = [s for group in reference for s in group]
     assert all(len(s.completion_ids) > 0 and s.logprobs.dtype == torch.float32 for s in samples)
-    assert all(s.policy_version == 0 for s in samples)
+    assert all(s.policy_version == samples[0].policy_version for s in samples)
     bad, worst = _trainer_mismatches(samples, weights, INVARIANT)
     assert bad == 0, f"{bad} of {len(samples)} samples differ from score_sequences, max |d| = {worst:.3e}"
 
@@ -162,7 +158,7 @@ def test_same_bits_under_forced_preemption(checkpoint: Path, reference: list[lis
 def test_fast_kernels_break_parity(checkpoint: Path, weights: K3Weights) -> None:
     """Negative control: the same checks on plain torch ops fail (values still agree to round-off)."""
     idx = [0, 1, 2, 3, LONG[0], LONG[1]]
-    with RolloutEngine(checkpoint, kernels="fast", **ENGINE_ARGS) as eng:
+    with RolloutEngine(checkpoint, kernels="fast", **K3_ENGINE_ARGS) as eng:
         batched = _generate_subset(eng, idx)
         alone = [_generate_subset(eng, [i])[0] for i in idx[:3]]
     samples = [s for group in batched for s in group]
@@ -233,22 +229,20 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_openai_server_matches_offline_engine(checkpoint: Path, reference: list[list[Sample]],
-                                              tmp_path: Path) -> None:
-    port = free_port()
-    argv = serve.serve_argv(checkpoint, port=port, vllm_args=["--max-model-len", "1024", "--max-num-seqs", "16"])
-    with running_server(argv, port, tmp_path / "server.log") as base:
-        jobs = [(i, j) for i in (0, 5, 9, LONG[0]) for j in range(N)]
+                                              k3_server: tuple[str, Path]) -> None:
+    base = k3_server[0]
+    jobs = [(i, j) for i in (0, 5, 9, LONG[0]) for j in range(N)]
 
-        def complete(job: tuple[int, int]) -> dict:
-            i, j = job
-            return _post(f"{base}/v1/completions", {
-                "model": str(checkpoint), "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
-                "logprobs": 0, "seed": sample_seed(SEEDS[i], j), "return_tokens_as_token_ids": True})
+    def complete(job: tuple[int, int]) -> dict:
+        i, j = job
+        return _post(f"{base}/v1/completions", {
+            "model": str(checkpoint), "prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": TEMPERATURE,
+            "logprobs": 0, "seed": sample_seed(SEEDS[i], j), "return_tokens_as_token_ids": True})
 
-        with ThreadPoolExecutor(len(jobs)) as pool:  # concurrent requests: the server batches them
-            replies = list(pool.map(complete, jobs))
-        for (i, j), reply in zip(jobs, replies):
-            lp = reply["choices"][0]["logprobs"]
-            tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
-            got = Sample(PROMPTS[i], tokens, torch.tensor(lp["token_logprobs"], dtype=torch.float32), 0, 0)
-            _assert_same(got, reference[i][j], f"server, prompt {i}, sample {j}")
+    with ThreadPoolExecutor(len(jobs)) as pool:  # concurrent requests: the server batches them
+        replies = list(pool.map(complete, jobs))
+    for (i, j), reply in zip(jobs, replies):
+        lp = reply["choices"][0]["logprobs"]
+        tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+        got = Sample(PROMPTS[i], tokens, torch.tensor(lp["token_logprobs"], dtype=torch.float32), 0, 0)
+        _assert_same(got, reference[i][j], f"server, prompt {i}, sample {j}")

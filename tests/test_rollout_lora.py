@@ -1,6 +1,6 @@
 """vLLM LoRA on zerokl's K3 model (CPU, parity mode): bits, not tolerances.
 
-One engine per module with `enable_lora`, `max_loras=2`, `max_lora_rank=8`, and three PEFT adapters from
+The session's shared engine (`k3_engine`: `enable_lora`, `max_loras=2`, `max_lora_rank=8`) and three PEFT adapters from
 `zerokl lora init` (scales 2, 3/8 and 1, so the scale's place in the formula matters). Every adapter request's
 log-probs must equal the shared forward with `K3Weights.lora` from `lora.adapter.load_lora` (what the trainer
 computes), alone and in mixed batches; the two vLLM CPU LoRA bugs the issue lists must not reach us: a base
@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,12 +30,9 @@ from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 from parity.sync.bundle import SyncError, WeightBundle
 
-from helpers import free_port, running_server
 
 TEMPERATURE = 0.8
 MAX_TOKENS = 6
-ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16, "gpu_memory_utilization": 0.5,
-               "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 ALPHAS = {"a1": 16.0, "a2": 3.0, "a3": 8.0}  # rank 8: scales 2, 0.375, 1
 
 
@@ -58,9 +53,8 @@ def adapters(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint: Path) -> Iterator[RolloutEngine]:
-    with RolloutEngine(checkpoint, **ENGINE_ARGS) as eng:
-        yield eng
+def engine(k3_engine: RolloutEngine) -> RolloutEngine:
+    return k3_engine
 
 
 @pytest.fixture(scope="module")
@@ -155,9 +149,9 @@ def test_lora_arguments_are_checked(engine: RolloutEngine) -> None:
 # --- hot-swap into a live server ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def lora_root(adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The server's adapter directory: copies of a1 and a2, and a1 with one tensor of the wrong shape."""
-    root = tmp_path_factory.mktemp("served-adapters")
+def lora_root(adapters: dict[str, Path], k3_server: tuple[str, Path]) -> Path:
+    """The shared server's adapter directory, given copies of a1 and a2, and a1 with one tensor of the wrong shape."""
+    root = k3_server[1]
     for name in ("a1", "a2"):
         shutil.copytree(adapters[name], root / name)
     _break_shape(adapters["a1"], root / "bad")
@@ -174,13 +168,8 @@ def _break_shape(src: Path, dest: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint: Path, lora_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    argv = [sys.executable, "-m", "zerokl.cli", "serve", "--checkpoint", str(checkpoint), "--port", str(port),
-            "--lora-root", str(lora_root), "--max-loras", "2", "--max-lora-rank", "8", "--",
-            "--max-model-len", "512", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.5"]
-    with running_server(argv, port, tmp_path_factory.mktemp("server") / "server.log") as base:
-        yield base
+def server(k3_server: tuple[str, Path], lora_root: Path) -> str:
+    return k3_server[0]
 
 
 def _complete(base: str, model: str, prompt: list[int], seed: int) -> tuple[list[int], torch.Tensor]:

@@ -31,9 +31,16 @@ def checkpoint(k3_tiny: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint: Path) -> Iterator[RolloutEngine]:
-    with RolloutEngine(checkpoint, max_model_len=512, enable_prefix_caching=True) as eng:
-        yield eng
+def engine(k3_engine: RolloutEngine, checkpoint: Path) -> Iterator[RolloutEngine]:
+    """The session's shared engine; afterwards it is given the checkpoint's weights again, as a newer version, and
+    must then sample what it sampled before this module's updates."""
+    before = _rollout(k3_engine)
+    yield k3_engine
+    cfg, tensors = load_checkpoint(checkpoint)
+    k3_engine.update_weights(WeightBundle.make(k3_engine.policy_version + 1,
+                                               {n: t.float() for n, t in tensors.items() if n in text_specs(cfg.text)}))
+    for a, b in zip(_rollout(k3_engine), before):
+        assert a.completion_ids == b.completion_ids and torch.equal(a.logprobs, b.logprobs)
 
 
 def _fp32_text_weights(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
