@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,12 +156,41 @@ def test_same_bits_under_forced_preemption(checkpoint: Path, reference: list[lis
             _assert_same(g[j], reference[i][j], f"prompt {i}, sample {j}")
 
 
-def test_fast_kernels_break_parity(checkpoint: Path, weights: K3Weights) -> None:
-    """Negative control: the same checks on plain torch ops fail (values still agree to round-off)."""
-    idx = [0, 1, 2, 3, LONG[0], LONG[1]]
+@pytest.fixture(scope="module")
+def fast_engine(checkpoint: Path) -> Iterator[tuple[RolloutEngine, dict[str, object], dict[str, object]]]:
+    """An engine on the `fast` kernels, and this process's state (`_process_state`) just before and just after it
+    started: vLLM's engine core runs in this process (`rollout.engine._engine_core_in_process`)."""
+    before = _process_state()
     with RolloutEngine(checkpoint, kernels="fast", **K3_ENGINE_ARGS) as eng:
-        batched = _generate_subset(eng, idx)
-        alone = [_generate_subset(eng, [i])[0] for i in idx[:3]]
+        yield eng, before, _process_state()
+
+
+def _process_state() -> dict[str, object]:
+    """What vLLM's engine core changes in its own process when it starts."""
+    import gc
+    import os
+    import random
+
+    import numpy as np
+    from vllm import envs
+
+    return {"threads": torch.get_num_threads(), "env": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+            "envs cached": envs._is_envs_cache_enabled(), "gc frozen": gc.get_freeze_count(),
+            "random": random.getstate(), "numpy": np.random.get_state()[1].tolist(),
+            "torch": torch.get_rng_state().tolist()}
+
+
+def test_engine_start_leaves_the_callers_process_as_it_was(fast_engine) -> None:
+    _, before, after = fast_engine
+    assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+
+
+def test_fast_kernels_break_parity(fast_engine, weights: K3Weights) -> None:
+    """Negative control: the same checks on plain torch ops fail (values still agree to round-off)."""
+    eng = fast_engine[0]
+    idx = [0, 1, 2, 3, LONG[0], LONG[1]]
+    batched = _generate_subset(eng, idx)
+    alone = [_generate_subset(eng, [i])[0] for i in idx[:3]]
     samples = [s for group in batched for s in group]
     bad, worst = _trainer_mismatches(samples, weights, FAST)
     assert bad > 0 and 0 < worst < 1e-3, f"fast rollout vs fast trainer: {bad} differ, max |d| {worst:.3e}"
