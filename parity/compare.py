@@ -68,26 +68,62 @@ class ParityReport:
 
 
 def load_dump(path: str | Path) -> list[SequenceLogprobs]:
-    """Read a JSONL dump; fails on the first malformed line, naming it."""
+    """Read a JSONL dump; every line must be an object with `token_ids` (ints) and as many `logprobs` (numbers, none
+    NaN or +inf), an optional unique `id` and optional `prompt_token_ids` (ints). Fails on the first bad line, naming
+    the file, the line and the reason (`DumpError`)."""
     path = Path(path)
     if not path.is_file():
         raise DumpError(f"{path}: no such file")
-    seqs = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    seqs: list[SequenceLogprobs] = []
+    seen: set[str] = set()
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DumpError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            ids, lps = row["token_ids"], row["logprobs"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DumpError(f"{path}:{lineno}: expected an object with token_ids and logprobs ({e})") from None
-        if len(ids) != len(lps):
-            raise DumpError(f"{path}:{lineno}: {len(ids)} token_ids but {len(lps)} logprobs")
-        seqs.append(SequenceLogprobs(str(row.get("id", lineno - 1)), [int(t) for t in ids],
-                                     torch.tensor(lps, dtype=torch.float32), list(row.get("prompt_token_ids", []))))
+        except json.JSONDecodeError as e:
+            raise DumpError(f"{where}: not JSON ({e})") from None
+        seq = _sequence(row, where, default_id=str(lineno - 1))
+        if seq.id in seen:
+            raise DumpError(f"{where}: id {seq.id!r} appears twice in the dump")
+        seen.add(seq.id)
+        seqs.append(seq)
     if not seqs:
         raise DumpError(f"{path}: no sequences")
     return seqs
+
+
+def _sequence(row: Any, where: str, default_id: str) -> SequenceLogprobs:
+    if not isinstance(row, dict) or "token_ids" not in row or "logprobs" not in row:
+        raise DumpError(f"{where}: expected an object with token_ids and logprobs")
+    ids, lps = _int_list(row["token_ids"], "token_ids", where), row["logprobs"]
+    if not isinstance(lps, list) or len(ids) != len(lps):
+        raise DumpError(f"{where}: {len(ids)} token_ids but logprobs is "
+                        f"{f'a list of {len(lps)}' if isinstance(lps, list) else repr(lps)}")
+    for i, v in enumerate(lps):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise DumpError(f"{where}: logprobs[{i}] = {v!r} is not a number")
+        if math.isnan(v) or v == math.inf:
+            raise DumpError(f"{where}: logprobs[{i}] is {v}: the source produced no log-prob for token {ids[i]}")
+    seq_id = row.get("id", default_id)
+    if isinstance(seq_id, bool) or not isinstance(seq_id, (str, int)):
+        raise DumpError(f"{where}: id must be a string or an integer, got {seq_id!r}")
+    prompt = _int_list(row.get("prompt_token_ids", []), "prompt_token_ids", where)
+    return SequenceLogprobs(str(seq_id), ids, torch.tensor(lps, dtype=torch.float32), prompt)
+
+
+def _int_list(value: Any, key: str, where: str) -> list[int]:
+    if not isinstance(value, list):
+        raise DumpError(f"{where}: {key} must be a list of token ids, got {value!r}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise DumpError(f"{where}: {key}[{i}] = {t!r} is not a token id (an integer >= 0)")
+    return value
 
 
 def write_dump(path: str | Path, seqs: list[SequenceLogprobs]) -> None:

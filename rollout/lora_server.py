@@ -5,6 +5,11 @@
 
 - the allowed directory: a load whose `lora_path` does not resolve (symlinks and `..` followed) to a path
   inside DIR is refused with HTTP 400 before vLLM sees it;
+- an unload of an adapter that a switched name still serves is refused with HTTP 409 (push another version first);
+- every route of the server is classified (`ROUTES`): vLLM's routes that take an adapter only as the `model` of a
+  request, resolved through vLLM's name table, pass; the two runtime LoRA routes pass the checks above; the
+  SageMaker routes (`/adapters` loads from any path and unloads, `/invocations` selects an adapter by header) and
+  any route this table does not know (one a later vLLM adds) are refused with HTTP 404;
 - `GET /zerokl/v1/lora`: what a client needs to validate an adapter before sending it (the served
   checkpoint's config.json, `max_lora_rank`, `max_loras`, the allowed directory) and what the server holds
   (every adapter name -> the adapter it serves, its id and path);
@@ -28,7 +33,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from lora.push import LOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE, VERSION_SEP
+from lora.push import LOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE, UNLOAD_ROUTE, VERSION_SEP
 
 LORA_ROOT_ENV = "ZEROKL_LORA_ROOT"
 
@@ -55,6 +60,12 @@ def outside_root(path: str | None, root: Path) -> str | None:
     if resolved != root and root not in resolved.parents:
         return f"lora_path {path} resolves to {resolved}, outside this server's adapter directory {root}"
     return None
+
+
+def served_as(request: Request, name: object) -> list[str]:
+    """The other names (`switch`) whose requests adapter `name` serves."""
+    models = request.app.state.openai_serving_models
+    return sorted(alias for alias, req in models.lora_requests.items() if alias != name and req.lora_name == name)
 
 
 def _api_keys(request: Request) -> list[str]:
@@ -101,19 +112,62 @@ async def _switch(request: Request) -> Response:
     return JSONResponse({"name": name, "serves": target})
 
 
+# Every route of vLLM 0.32's OpenAI server started by `zerokl serve --lora-root` (its /openapi.json, plus FastAPI's
+# documentation pages), by what it can do with an adapter. `{x}` stands for one path segment.
+PASS_ROUTES = (  # no adapter, or one named as the request's `model` (vLLM's name table, which `switch` sets)
+    "/health", "/load", "/version", "/metrics", "/kv_event_sources", "/ping", "/v1/models", "/tokenize",
+    "/detokenize", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses",
+    "/v1/responses/{x}", "/v1/responses/{x}/cancel", "/v1/messages", "/v1/messages/count_tokens",
+    "/generative_scoring", "/v1/systemone", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+)
+CHECKED_ROUTES = (LOAD_ROUTE, UNLOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE)  # this middleware's checks
+REFUSED_ROUTES = (  # load from any path, unload or select an adapter past the checks, or change the engine
+    "/adapters", "/adapters/{x}", "/invocations", "/scale_elastic_ep", "/is_scaling_elastic_ep",
+)
+
+
+def route_of(path: str) -> str | None:
+    """The table entry (`PASS_ROUTES`, `CHECKED_ROUTES`, `REFUSED_ROUTES`) that `path` is, or None."""
+    parts = path.rstrip("/").split("/") if path != "/" else [""]
+    for route in (*PASS_ROUTES, *CHECKED_ROUTES, *REFUSED_ROUTES):
+        pattern = route.split("/")
+        if len(pattern) == len(parts) and all(p == "{x}" or p == q for p, q in zip(pattern, parts)):
+            return route
+    return None
+
+
+async def _json_body(request: Request) -> dict | None:
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
 async def lora_admin(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
     """The middleware (`--middleware rollout.lora_server.lora_admin`)."""
     path = request.url.path
-    if path == LOAD_ROUTE and request.method == "POST":
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error("request body is not JSON", HTTPStatus.BAD_REQUEST)
-        problem = outside_root(body.get("lora_path") if isinstance(body, dict) else None, lora_root())
-        if problem:
-            return _error(problem, HTTPStatus.BAD_REQUEST)
+    route = route_of(path)
+    if route is None or route in REFUSED_ROUTES:
+        why = "it can load, unload or select an adapter past --lora-root" if route else "zerokl serve does not know it"
+        return _error(f"no route {request.method} {path} on this server ({why}); adapters load through "
+                      f"{LOAD_ROUTE} from inside the adapter directory", HTTPStatus.NOT_FOUND)
+    if route in PASS_ROUTES:
         return await call_next(request)
-    if not path.startswith("/zerokl/"):
+    if route in (LOAD_ROUTE, UNLOAD_ROUTE) and request.method == "POST":
+        body = await _json_body(request)
+        if body is None:
+            return _error("request body is not a JSON object", HTTPStatus.BAD_REQUEST)
+        if route == LOAD_ROUTE:
+            problem = outside_root(body.get("lora_path"), lora_root())
+            if problem:
+                return _error(problem, HTTPStatus.BAD_REQUEST)
+        else:
+            users = served_as(request, body.get("lora_name"))
+            if users:
+                return _error(f"adapter {body.get('lora_name')!r} is served as {', '.join(map(repr, users))}; "
+                              "switch those names to another version first (zerokl lora push does)",
+                              HTTPStatus.CONFLICT)
         return await call_next(request)
     if not _authorized(request):
         return _error("missing or wrong API key", HTTPStatus.UNAUTHORIZED)

@@ -78,8 +78,7 @@ def test_base_weights_never_move(lora_run) -> None:
 
 def test_resume_reproduces_the_run_bitwise(lora_run) -> None:
     metrics, out, _ = lora_run
-    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-lora.yaml"), wandb="disabled",
-                  model=str(out / "init-checkpoint"))
+    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-lora.yaml"), wandb="disabled")
     resumed_out = out / "resumed"
     run = PPORun(cfg, resumed_out, resume=out / "checkpoints" / f"step-{RESUME_AT}", log=lambda _: None)
     try:

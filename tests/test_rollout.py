@@ -2,12 +2,12 @@
 
 The session's k3-tiny checkpoint and shared engine (`k3_engine`: prefix caching on with a 16-token match unit,
 max_num_seqs 16, LoRA slots that these base requests leave empty) generate a workload of 28 mixed-length prompts (4
-end just before a 128-token cache block boundary, 4 share a 300-token prefix, more than two blocks), 2 samples each. Every generated
-log-prob must equal the trainer's one-pass `score_sequences` on the same weights, and the same
-(prompt, seed) must give the same tokens and log-probs: at other batch positions, alone, from a warm
-prefix cache (hits on block boundaries and inside blocks), with one sequence at a time and 13-token
-prefill chunks, under forced preemption, and over the OpenAI server (the session's `zerokl serve`). The `fast` kernels
-break this (negative control).
+end just before a 128-token cache block boundary, 4 share a 300-token prefix, more than two blocks), 2 samples each.
+Every generated log-prob must equal the trainer's one-pass `score_sequences` on the same weights, and the same
+(prompt, seed) must give the same tokens and log-probs: at other batch positions, alone, from a warm prefix cache
+(hits on block boundaries and inside blocks), with one sequence at a time and 13-token prefill chunks, under forced
+preemption, and over the OpenAI server (the session's `zerokl serve`). The `fast` kernels break this (negative
+control).
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from lora.adapter import Adapter, load_adapter, load_lora, save_adapter
 from lora.init import random_adapter
-from lora.push import Server, list_servers, push
+from lora.push import LOAD_ROUTE, UNLOAD_ROUTE, Server, list_servers, push
 from lora.spec import AdapterError
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from rollout.engine import RolloutEngine, RolloutError, sample_seed
+from rollout.lora_server import route_of
 from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 from parity.sync.bundle import SyncError, WeightBundle
@@ -194,8 +195,9 @@ def _assert_serves(base: str, engine: RolloutEngine, adapter: Path, name: str) -
         assert torch.equal(logprobs, exp.logprobs)
 
 
-def _post_raw(url: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def _request(method: str, url: str, body: dict | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, None if body is None else json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"}, method=method)
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, resp.read().decode()
@@ -217,14 +219,14 @@ def test_push_replace_and_refuse_on_a_live_server(server: str, engine: RolloutEn
     # refused by the client's validation, and (sent directly) by the server: the served version stays
     with pytest.raises(AdapterError, match="has shape"):
         push(servers, "policy", lora_root / "bad", log=lambda m: None)
-    status, body = _post_raw(f"{server}/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(lora_root / "bad")})
+    status, body = _request("POST", f"{server}{LOAD_ROUTE}", {"lora_name": "x", "lora_path": str(lora_root / "bad")})
     assert status >= 400 and "has shape" in body
     outside = tmp_path / "outside"
     shutil.copytree(lora_root / "a1", outside)
     with pytest.raises(AdapterError, match="outside the server's adapter directory"):
         push(servers, "policy", outside, log=lambda m: None)
     for path in (outside, lora_root / ".." / outside.name):
-        status, body = _post_raw(f"{server}/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(path)})
+        status, body = _request("POST", f"{server}{LOAD_ROUTE}", {"lora_name": "x", "lora_path": str(path)})
         assert status == 400 and "outside this server's adapter directory" in body
     _assert_serves(server, engine, lora_root / "a2", "policy")
 
@@ -235,6 +237,27 @@ def test_push_replace_and_refuse_on_a_live_server(server: str, engine: RolloutEn
     assert len(err) == 1 and err[0].startswith("zerokl: error:") and "has shape" in err[0]
     assert main(["lora", "list", "--server", "http://127.0.0.1:1"]) == 1
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_every_route_of_the_server_is_classified_and_the_others_refused(server: str, lora_root: Path) -> None:
+    """vLLM's own route list (/openapi.json) against `rollout.lora_server`'s table: a route a later vLLM adds fails
+    here (and is refused by the server meanwhile); the SageMaker adapter routes cannot load from outside the
+    adapter directory, unload, or select an adapter; an adapter a name serves cannot be unloaded under it."""
+    status, body = _request("GET", f"{server}/openapi.json")
+    assert status == 200
+    routes = json.loads(body)["paths"]
+    assert LOAD_ROUTE in routes and UNLOAD_ROUTE in routes and "/adapters" in routes  # the table's premise
+    assert not [r for r in routes if route_of(r) is None], "routes zerokl serve does not classify"
+    refused = [("POST", "/adapters", {"name": "x", "src": "/etc"}), ("DELETE", "/adapters/policy", None),
+               ("POST", "/invocations", {"prompt": [5], "max_tokens": 1}), ("POST", "/v1/not_a_route_yet", {}),
+               ("POST", "/scale_elastic_ep", {})]
+    for method, path, payload in refused:
+        status, body = _request(method, f"{server}{path}", payload)
+        assert status == 404 and "no route" in body, (method, path, status, body)
+    served = list_servers([Server(server)])[0][1]["adapters"]["policy"]["serves"]
+    status, body = _request("POST", f"{server}{UNLOAD_ROUTE}", {"lora_name": served})
+    assert status == 409 and "'policy'" in body, body
+    assert list_servers([Server(server)])[0][1]["adapters"]["policy"]["serves"] == served
 
 
 def test_adapter_bundles_replace_the_policy_adapter_verified_and_versioned(

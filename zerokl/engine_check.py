@@ -38,25 +38,62 @@ class CheckResult:
     mix_mismatch: int  # sequences whose `alone` and `random` rollouts differ (batch-mix both)
 
 
-def load_prompts(path: str | Path, tokenizer: Any) -> list[list[int]]:
-    """JSONL of {"prompt": text} or {"prompt_token_ids": [...]}; fails naming the bad line."""
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_len: int) -> list[list[int]]:
+    """JSONL, one object per line with exactly one of {"prompt": non-empty text} or {"prompt_token_ids": [ids]}: ids
+    are ints in [0, vocab_size), at most `max_prompt_len` tokens either way. Every line is checked before anything
+    runs; the first bad one fails with the file, the line and the reason (`DumpError`). Blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise DumpError(f"--prompts {path}: no such file")
     prompts = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DumpError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DumpError(f"{path}:{lineno}: not JSON ({e})") from None
-        if "prompt_token_ids" in row:
-            prompts.append([int(t) for t in row["prompt_token_ids"]])
-        elif "prompt" in row:
-            prompts.append(tokenizer.encode(row["prompt"]).ids)
-        else:
-            raise DumpError(f"{path}:{lineno}: expected a 'prompt' or 'prompt_token_ids' key")
+            raise DumpError(f"{where}: not JSON ({e})") from None
+        prompts.append(_prompt_ids(row, where, tokenizer, vocab_size, max_prompt_len))
     if not prompts:
         raise DumpError(f"{path}: no prompts")
     return prompts
+
+
+def _prompt_ids(row: Any, where: str, tokenizer: Any, vocab_size: int, max_prompt_len: int) -> list[int]:
+    if not isinstance(row, dict):
+        raise DumpError(f"{where}: expected an object with 'prompt' or 'prompt_token_ids', got {type(row).__name__}")
+    unknown = sorted(set(row) - set(PROMPT_KEYS))
+    if unknown:
+        raise DumpError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a prompt line holds 'prompt' or "
+                        "'prompt_token_ids'")
+    if len(row) != 1:
+        raise DumpError(f"{where}: expected one of 'prompt' or 'prompt_token_ids', got {len(row)}")
+    if "prompt" in row:
+        text = row["prompt"]
+        if not isinstance(text, str) or not text.strip():
+            raise DumpError(f"{where}: 'prompt' must be non-empty text, got {text!r}")
+        ids = tokenizer.encode(text).ids
+    else:
+        ids = row["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise DumpError(f"{where}: 'prompt_token_ids' must be a non-empty list of token ids, got {ids!r}")
+        bad = [i for i, t in enumerate(ids)
+               if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise DumpError(f"{where}: prompt_token_ids[{bad[0]}] = {ids[bad[0]]!r} is not a token id (an integer in "
+                            f"[0, {vocab_size}), the vocabulary)")
+    if len(ids) > max_prompt_len:
+        raise DumpError(f"{where}: the prompt has {len(ids)} tokens; at most {max_prompt_len} fit the engine's context "
+                        "with the completion")
+    return list(ids)
 
 
 def task_prompts(n: int, seed: int, tokenizer: Any) -> list[list[int]]:

@@ -39,23 +39,30 @@ def _run_diff(args: argparse.Namespace) -> int:
 def _checker(args: argparse.Namespace, lora: str | None = None):
     from zerokl.engine_check import Checker
 
-    if not (Path(args.model) / "config.json").is_file():
-        raise FileNotFoundError(f"--model {args.model}: not a checkpoint directory (no config.json)")
     return Checker(args.model, kernels=args.kernels, lora=lora, backend=args.backend, zero_stage=args.zero_stage)
 
 
-def _prompts(args: argparse.Namespace, checker) -> list[list[int]]:
-    from zerokl.engine_check import load_prompts, task_prompts
+def _prompts(args: argparse.Namespace) -> list[list[int]]:
+    """The prompts, read and checked before any engine or trainer starts."""
+    from tokenizers import Tokenizer
 
+    from parity.config import load_model_config
+    from zerokl.engine_check import ENGINE_ARGS, load_prompts, task_prompts
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise FileNotFoundError(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     if args.prompts:
-        return load_prompts(args.prompts, checker.tokenizer)
-    return task_prompts(args.num_prompts, args.seed, checker.tokenizer)
+        return load_prompts(args.prompts, tokenizer, load_model_config(args.model).text.vocab_size,
+                            ENGINE_ARGS["max_model_len"] - args.max_tokens)
+    return task_prompts(args.num_prompts, args.seed, tokenizer)
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    prompts = _prompts(args)
     checker = _checker(args, args.lora)
     try:
-        res = checker.check(_prompts(args, checker), mix=args.batch_mix, max_tokens=args.max_tokens,
+        res = checker.check(prompts, mix=args.batch_mix, max_tokens=args.max_tokens,
                             temperature=args.temperature, seed=args.seed, diagnose_failures=args.diagnose)
     finally:
         checker.close()
@@ -73,9 +80,10 @@ def _run_check(args: argparse.Namespace) -> int:
 def _run_selftest(args: argparse.Namespace) -> int:
     from zerokl.engine_check import selftest
 
+    prompts = _prompts(args)
     checker = _checker(args)
     try:
-        trials = selftest(checker, _prompts(args, checker), trials=args.trials, seed=args.seed,
+        trials = selftest(checker, prompts, trials=args.trials, seed=args.seed,
                           max_tokens=args.max_tokens, temperature=args.temperature)
     finally:
         checker.close()
@@ -102,13 +110,34 @@ def _run_kernels(args: argparse.Namespace) -> int:
     return 0 if not failed else 1
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """vLLM samples greedily below 1e-5 and then reports log-probs at temperature 1: refused here."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 1e-5 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite temperature >= 1e-5, got {value}")
+    return value
+
+
 def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     p.add_argument("--model", required=True, help="official-format checkpoint directory")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", help='JSONL, one {"prompt": text} or {"prompt_token_ids": [...]} per line')
-    src.add_argument("--num-prompts", type=int, default=num_prompts, help="prompts from the shipped task")
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=1.0)
+    src.add_argument("--num-prompts", type=_positive_int, default=num_prompts, help="prompts from the shipped task")
+    p.add_argument("--max-tokens", type=_positive_int, default=max_tokens)
+    p.add_argument("--temperature", type=_temperature, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", choices=("invariant", "fast"), default="invariant",
                    help="fast: both sides on plain torch ops (the mismatch zerokl removes)")
@@ -130,7 +159,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_run_check)
     st = psub.add_parser("selftest", help="one-ulp rollout-side weight perturbations must be detected and localised")
     _add_check_args(st, num_prompts=8, max_tokens=16)
-    st.add_argument("--trials", type=int, default=20)
+    st.add_argument("--trials", type=_positive_int, default=20)
     st.set_defaults(func=_run_selftest)
     d = psub.add_parser("diff", help="compare two JSONL log-prob dumps (A = rollout side, B = trainer side)")
     d.add_argument("a", help="JSONL: one {id, token_ids, logprobs} per line")

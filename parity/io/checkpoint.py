@@ -163,26 +163,24 @@ def _plan_shards(weights: dict[str, torch.Tensor], shard_bytes: int) -> list[lis
 
 def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read config and every tensor under its official name (`parity.weights.official_name`: either spelling vLLM's
-    K3 loader reads); fails naming the first missing, unexpected or doubly stored tensor."""
+    K3 loader reads). Fails (`CheckpointError`, naming the file or tensor and what to do) on an unreadable or missing
+    shard, an index and shards that disagree either way, a missing, unexpected, doubly stored or misshapen tensor,
+    and a tensor holding NaN or inf."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
     cfg = load_model_config(path)
-    index_path = path / INDEX_FILE
-    if index_path.exists():
-        files = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+    index = _read_index(path)
+    files = sorted(set(index.values())) if index is not None else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
     for fname in files:
-        with safe_open(str(path / fname), framework="pt") as f:
-            for stored in f.keys():
-                name = official_name(stored)
-                if name in weights:
-                    raise CheckpointError(f"{path}: {name} is stored twice (once as {stored})")
-                weights[name] = f.get_tensor(stored)
+        for stored, tensor in _read_shard(path, fname, index):
+            name = official_name(stored)
+            if name in weights:
+                raise CheckpointError(f"{path}: {name} is stored twice (once as {stored})")
+            weights[name] = tensor
     expected = all_specs(cfg)
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -193,7 +191,49 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     for name, spec in expected.items():
         if tuple(weights[name].shape) != spec.shape:
             raise CheckpointError(f"{path}: {name} has shape {tuple(weights[name].shape)}, config says {spec.shape}")
+        if weights[name].is_floating_point() and not bool(torch.isfinite(weights[name]).all()):
+            raise CheckpointError(f"{path}: {name} holds NaN or inf values; a checkpoint to roll out and train must be "
+                                  "finite")
     return cfg, weights
+
+
+def _read_index(path: Path) -> dict[str, str] | None:
+    """The index's tensor -> shard map, or None without an index."""
+    index_path = path / INDEX_FILE
+    if not index_path.exists():
+        return None
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: not a safetensors index with a weight_map ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: weight_map must map tensor names to shard file names")
+    return weight_map
+
+
+def _read_shard(path: Path, fname: str, index: dict[str, str] | None) -> list[tuple[str, torch.Tensor]]:
+    """Every (stored name, tensor) of one shard, which must exist, be readable and hold exactly the tensors the
+    index assigns to it."""
+    from safetensors import SafetensorError
+
+    file = path / fname
+    if not file.is_file():
+        raise CheckpointError(f"{file}: the index names this shard but it is not on disk (an incomplete copy?)")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            stored = list(f.keys())
+            if index is not None:
+                listed = {n for n, shard in index.items() if shard == fname}
+                unlisted, absent = sorted(set(stored) - listed), sorted(listed - set(stored))
+                if unlisted:
+                    raise CheckpointError(f"{file}: holds {unlisted[0]} (and {len(unlisted) - 1} more), which the "
+                                          f"index {INDEX_FILE} does not list; the two disagree")
+                if absent:
+                    raise CheckpointError(f"{path / INDEX_FILE}: lists {absent[0]} (and {len(absent) - 1} more) in "
+                                          f"{fname}, which does not hold it; the two disagree")
+            return [(name, f.get_tensor(name)) for name in stored]
+    except SafetensorError as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file, truncated or corrupt ({e})") from None
 
 
 def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: str = "bfloat16",

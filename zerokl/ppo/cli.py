@@ -53,7 +53,7 @@ def _wandb_run(cfg: PPOConfig, out: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed
+    from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed, resume_point
 
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
                           wandb=args.wandb, lora=args.lora or None, backend=args.backend,
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return _launch(cfg, out, args.nproc_per_node)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     log = (lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None)  # noqa: E731
-    run_ = PPORun(cfg, out, Path(args.resume) if args.resume else None, log=log)
+    run_ = PPORun(cfg, out, resume_point(Path(args.resume)) if args.resume else None, log=log)
     wb = _wandb_run(cfg, out) if rank0 else None
     metrics_path = out / "metrics.jsonl"
     if rank0 and run_.step == 0:
@@ -128,7 +128,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="PPO run config (YAML), e.g. configs/ppo-tiny.yaml")
     p.add_argument("--steps", type=int, help="override the config's number of steps")
     p.add_argument("--out", default="out/ppo", help="run directory (metrics.jsonl, checkpoints, wandb)")
-    p.add_argument("--resume", help="a checkpoint directory of an earlier run (OUT/checkpoints/step-N)")
+    p.add_argument("--resume", help="an earlier run's directory (its latest complete checkpoint) or one of its "
+                                    "checkpoints (OUT/checkpoints/step-N)")
     p.add_argument("--kernels", choices=("invariant", "fast"), help="fast = plain torch ops on both sides "
                    "(the non-invariant baseline: expect the zero-KL check to fail)")
     p.add_argument("--on-mismatch", choices=("stop", "warn"), help="warn: keep training and record the drift")

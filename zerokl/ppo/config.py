@@ -1,7 +1,10 @@
-"""PPO run configs: small YAML files validated into typed objects; errors name the bad key."""
+"""PPO run configs: small YAML files validated into typed objects; errors name the bad key, the bad value and what is
+expected."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,8 @@ class PPOConfig:
     lora_init: str | None = None  # start from this PEFT adapter directory instead of PEFT's init (B = 0)
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name), str(f.type))
         _choice("advantage", self.advantage, ("grpo", "gae"))
         _choice("kernels", self.kernels, ("invariant", "fast"))
         _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
@@ -60,8 +65,40 @@ class PPOConfig:
                 raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
         if self.samples_per_prompt < 2 and self.advantage == "grpo":
             raise ConfigError("ppo config: samples_per_prompt must be >= 2 for the GRPO group baseline")
-        if not self.temperature > 0:
-            raise ConfigError(f"ppo config: temperature must be > 0, got {self.temperature}")
+        for name in ("temperature", "lr", "clip", "grad_clip", "lora_alpha"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ppo config: {name} must be > 0, got {getattr(self, name)}")
+        for name in ("kl_coef", "entropy_coef", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"ppo config: {name} must be >= 0, got {getattr(self, name)}")
+
+
+_FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # what YAML 1.1 leaves a string, e.g. 3e-3
+
+
+def _check_type(key: str, value: Any, annotation: str) -> None:
+    """Refuse a value that is not of the field's annotated type (`int`, `float`, `str`, `bool`, `dict[...]`,
+    `list[str]`, each optionally `| None`); a float must be finite. A bool is not an int; an int is a float."""
+    base = annotation.removesuffix(" | None")
+    if value is None and base != annotation:
+        return
+    if base == "int":
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif base == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        kind = "a finite number"
+    elif base == "str":
+        ok, kind = isinstance(value, str), "a string"
+    elif base == "bool":
+        ok, kind = isinstance(value, bool), "true or false"
+    elif base.startswith("dict["):
+        ok, kind = isinstance(value, dict), "a mapping"
+    elif base == "list[str]":
+        ok, kind = isinstance(value, list) and all(isinstance(x, str) for x in value), "a list of strings"
+    else:
+        raise TypeError(f"PPOConfig.{key}: no type check for {annotation}")
+    if not ok:
+        raise ConfigError(f"ppo config: {key} must be {kind}, got {'null' if value is None else repr(value)}")
 
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
@@ -82,13 +119,19 @@ def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
     if unknown:
         raise ConfigError(f"{p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     raw.update({k: v for k, v in overrides.items() if v is not None})
+    floats = {f.name for f in fields(PPOConfig) if str(f.type).removesuffix(" | None") == "float"}
+    for key in floats & raw.keys():
+        if isinstance(raw[key], str) and _FLOAT_TEXT.fullmatch(raw[key].strip()):
+            raw[key] = float(raw[key])  # YAML 1.1 reads 3e-3 (no dot) as a string
     if "model" not in raw:
         raise ConfigError(f"{p}: missing required key 'model'")
+    if not isinstance(raw["model"], str):
+        raise ConfigError(f"{p}: model must be a model config or checkpoint path (a string), got {raw['model']!r}")
     model = Path(raw["model"])
     if not model.is_absolute() and not model.exists():
         model = p.parent.parent / model  # configs are written relative to the repo root
     raw["model"] = str(model)
     try:
         return PPOConfig(**raw)
-    except TypeError as e:
-        raise ConfigError(f"{p}: {e}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {str(e).removeprefix('ppo config: ')}") from None

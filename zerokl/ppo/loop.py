@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -347,6 +348,18 @@ def base_checkpoint(cfg: PPOConfig, out: Path) -> Path:
     return ckpt
 
 
+def resume_point(path: Path) -> Path:
+    """The checkpoint `--resume path` means: `path` itself when it is a checkpoint (`checkpoints/step-N`), else, for a
+    run directory, its latest complete checkpoint (a `step-N.partial` one, cut short by a crash, is skipped)."""
+    if (path / STATE_FILE).is_file() or not (path / "checkpoints").is_dir():
+        return path
+    steps = [p for p in (path / "checkpoints").iterdir()
+             if p.is_dir() and re.fullmatch(r"step-\d+", p.name) and (p / STATE_FILE).is_file()]
+    if not steps:
+        raise ConfigError(f"--resume {path}: the run directory has no complete checkpoint under checkpoints/")
+    return max(steps, key=lambda p: int(p.name.removeprefix("step-")))
+
+
 def read_run_state(path: Path) -> dict:
     """The loop's own state in a `zerokl ppo` checkpoint (`state.json`: plain JSON, never unpickled)."""
     if not (path / STATE_FILE).is_file():
@@ -362,6 +375,12 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
     backend and, for DeepSpeed (one state partition per rank), the same ZeRO stage and process count."""
     state = read_run_state(path)
     saved = state["config"]
+    same = {"model": Path(str(saved.get("model"))).resolve() == Path(cfg.model).resolve(),
+            "lora": saved.get("lora", False) == cfg.lora}
+    for key, ok in same.items():
+        if not ok:
+            raise ConfigError(f"{path} was written by a run with {key}: {saved.get(key)!r}; this run has {key}: "
+                              f"{getattr(cfg, key)!r}: resume with the config that wrote it")
     was = (saved.get("backend", "megatron"), saved.get("zero_stage", 3), state.get("world_size", 1))
     now = (cfg.backend, cfg.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
     if was[0] != now[0] or (now[0] == "deepspeed" and was != now):
