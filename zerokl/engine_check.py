@@ -10,7 +10,6 @@ weights + one pass), capturing every block, and the first block whose outputs di
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from parity.compare import DumpError, ParityReport, SequenceLogprobs, compare
+from parity.compare import DumpError, ParityReport, SequenceLogprobs, compare, jsonl_rows
 from parity.config import ModelConfig
 from parity.diagnose import Divergence, diagnose
 from parity.kernels import get_kernels
@@ -48,20 +47,8 @@ def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_l
     path = Path(path)
     if not path.is_file():
         raise DumpError(f"--prompts {path}: no such file")
-    prompts = []
-    for lineno, raw in enumerate(path.read_bytes().splitlines(), start=1):
-        where = f"{path}:{lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DumpError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DumpError(f"{where}: not JSON ({e})") from None
-        prompts.append(_prompt_ids(row, where, tokenizer, vocab_size, max_prompt_len))
+    prompts = [_prompt_ids(row, f"{path}:{lineno}", tokenizer, vocab_size, max_prompt_len)
+               for lineno, row in jsonl_rows(path)]
     if not prompts:
         raise DumpError(f"{path}: no prompts")
     return prompts
