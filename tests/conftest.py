@@ -94,7 +94,8 @@ SHARED_FIXTURE_GROUPS = {"k3_engine": "k3-engine", "k3_server": "k3-engine", "pp
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the test ids it schedules by
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its xdist group: its module's shared-fixture group, else its module."""
+    """Mark every test with its xdist group (its module's shared-fixture group, else its module) and run the groups
+    holding a `slow` test first, each group's tests in their collected order."""
     groups: dict[str, set[str]] = {}
     for item in items:
         uses = {SHARED_FIXTURE_GROUPS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_FIXTURE_GROUPS}
@@ -103,9 +104,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if len(uses) > 1:
             raise pytest.UsageError(f"{module} uses fixtures of groups {sorted(uses)}: give them one group in "
                                     "SHARED_FIXTURE_GROUPS")
-    for item in items:
-        uses = groups[item.module.__name__]
-        item.add_marker(pytest.mark.xdist_group(next(iter(uses)) if uses else item.module.__name__))
+    group_of = {m: next(iter(uses)) if uses else m for m, uses in groups.items()}
+    slow = {group_of[item.module.__name__] for item in items if item.get_closest_marker("slow")}
+    first = {}
+    for index, item in enumerate(items):
+        first.setdefault(group_of[item.module.__name__], index)
+        item.add_marker(pytest.mark.xdist_group(group_of[item.module.__name__]))
+    # Slow groups first: the workers then end together, the fast modules filling in around them.
+    items.sort(key=lambda item: (group_of[item.module.__name__] not in slow, first[group_of[item.module.__name__]]))
 
 
 @pytest.fixture(scope="session", autouse=True)

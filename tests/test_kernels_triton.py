@@ -32,6 +32,8 @@ from parity.kernels.linear import LoRA
 from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import sigmoid
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 CUDA = torch.cuda.is_available()
 # Triton decides interpreter vs compiler when it is first imported (its own library functions are
 # decorated then), so the interpreter suite runs in a child process started with TRITON_INTERPRET=1.

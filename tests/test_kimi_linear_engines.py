@@ -33,6 +33,8 @@ from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun
 from helpers import torchrun_checks
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "kimi-linear-tiny.yaml"
 A_LOG = "model.layers.0.self_attn.A_log"

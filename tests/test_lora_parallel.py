@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from helpers import torchrun_checks
+
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,6 +21,8 @@ import pytest
 from zerokl.cli import main
 from zerokl.engine_check import Checker, selftest, task_prompts
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 
 
 

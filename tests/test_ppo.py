@@ -29,6 +29,8 @@ from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun, SyncFailed
 from helpers import PPOReference
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 REPO = Path(__file__).resolve().parents[1]
 

@@ -27,6 +27,8 @@ from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 from helpers import PPO_REFERENCE_CHECKPOINTS, PPOReference
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4  # two checkpoints compared; the 20-step comparison is in trainer/deepspeed/README.md
 CHECKPOINT_EVERY = 2

@@ -32,6 +32,8 @@ from parity.io.checkpoint import load_checkpoint
 
 from helpers import K3_ENGINE_ARGS
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 TEMPERATURE = 0.9
 MAX_TOKENS = 8
 N = 2

@@ -31,6 +31,8 @@ from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 from parity.sync.bundle import SyncError, WeightBundle
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 
 TEMPERATURE = 0.8
 MAX_TOKENS = 6

@@ -16,7 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 

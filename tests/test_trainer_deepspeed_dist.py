@@ -23,6 +23,8 @@ from trainer.deepspeed.engine import destroy_dist, init_dist
 from parity.io.checkpoint import load_checkpoint
 from helpers import torchrun_checks
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "deepspeed_zero.py"
 CHECKS = 6  # "ok" lines the worker prints on success

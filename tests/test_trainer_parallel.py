@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import torchrun_checks
 
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_parallel.py"
