@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from parity.compare import ParityReport, compare, format_report, load_dump
+from zerokl.argtypes import positive_int, temperature
 from parity.report import write_html
 
 
@@ -110,34 +111,13 @@ def _run_kernels(args: argparse.Namespace) -> int:
     return 0 if not failed else 1
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _temperature(text: str) -> float:
-    """vLLM samples greedily below 1e-5 and then reports log-probs at temperature 1: refused here."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 1e-5 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite temperature >= 1e-5, got {value}")
-    return value
-
-
 def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     p.add_argument("--model", required=True, help="official-format checkpoint directory")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", help='JSONL, one {"prompt": text} or {"prompt_token_ids": [...]} per line')
-    src.add_argument("--num-prompts", type=_positive_int, default=num_prompts, help="prompts from the shipped task")
-    p.add_argument("--max-tokens", type=_positive_int, default=max_tokens)
-    p.add_argument("--temperature", type=_temperature, default=1.0)
+    src.add_argument("--num-prompts", type=positive_int, default=num_prompts, help="prompts from the shipped task")
+    p.add_argument("--max-tokens", type=positive_int, default=max_tokens)
+    p.add_argument("--temperature", type=temperature, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", choices=("invariant", "fast"), default="invariant",
                    help="fast: both sides on plain torch ops (the mismatch zerokl removes)")
@@ -159,7 +139,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_run_check)
     st = psub.add_parser("selftest", help="one-ulp rollout-side weight perturbations must be detected and localised")
     _add_check_args(st, num_prompts=8, max_tokens=16)
-    st.add_argument("--trials", type=_positive_int, default=20)
+    st.add_argument("--trials", type=positive_int, default=20)
     st.set_defaults(func=_run_selftest)
     d = psub.add_parser("diff", help="compare two JSONL log-prob dumps (A = rollout side, B = trainer side)")
     d.add_argument("a", help="JSONL: one {id, token_ids, logprobs} per line")

@@ -19,6 +19,7 @@ from typing import Any
 
 from parity.config import ConfigError, ModelConfig, TextConfig, VisionConfig, load_model_config
 from parity.weights import text_specs
+from zerokl.argtypes import positive_int
 
 GB = 1e9
 BF16_BYTES = 2
@@ -359,14 +360,6 @@ def format_plan(p: Plan, title: str = "plan") -> str:
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = int(text)
@@ -379,9 +372,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan` on the `zerokl` subcommand parser."""
     p = subparsers.add_parser("plan", help="parameter counts, KV cache and per-GPU memory of a K3 config")
     p.add_argument("--config", required=True, help="model config (YAML/JSON, official HF format)")
-    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree")
-    p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel degree")
-    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel degree")
     p.add_argument(
         "--context",
         type=_non_negative_int,

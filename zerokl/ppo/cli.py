@@ -22,6 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from parity.config import ConfigError
+from zerokl.argtypes import positive_int
 from zerokl.ppo.config import PPOConfig, load_ppo_config
 
 
@@ -115,13 +116,6 @@ def _launch(cfg: PPOConfig, out: Path, nproc: int) -> int:
     return launch(sys.argv[1:], nproc)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ppo", help="PPO with the zero-KL check every step (vLLM rollouts, Megatron or DeepSpeed "
                                    "trainer)")
@@ -139,7 +133,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("megatron", "deepspeed"), help="trainer backend (default: the config's, "
                    "megatron)")
     p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")
-    p.add_argument("--nproc-per-node", type=_positive, default=1, help="processes (DeepSpeed: ZeRO partitions "
+    p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (DeepSpeed: ZeRO partitions "
                    "over them, every rank trains on the whole batch); N > 1 starts N copies of this command")
     p.set_defaults(func=run)
 
