@@ -92,26 +92,30 @@ def k3_server(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 SHARED_FIXTURE_GROUPS = {"k3_engine": "k3-engine", "k3_server": "k3-engine", "ppo_reference": "ppo-reference"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the test ids it schedules by
+def _group(item: pytest.Item) -> str:
+    """The xdist group of a test: the shared-fixture group of the fixtures it uses, else its module."""
+    uses = {SHARED_FIXTURE_GROUPS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_FIXTURE_GROUPS}
+    if len(uses) > 1:
+        raise pytest.UsageError(f"{item.nodeid} uses fixtures of groups {sorted(uses)}: give them one group in "
+                                "SHARED_FIXTURE_GROUPS")
+    return uses.pop() if uses else item.module.__name__
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark the test with its xdist group as it is collected: xdist's workers read the marks into the test ids the
+    controller schedules by before any `pytest_collection_modifyitems` of ours runs."""
+    item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its xdist group (its module's shared-fixture group, else its module) and run the groups
-    holding a `slow` test first, each group's tests in their collected order."""
-    groups: dict[str, set[str]] = {}
-    for item in items:
-        uses = {SHARED_FIXTURE_GROUPS[f] for f in getattr(item, "fixturenames", ()) if f in SHARED_FIXTURE_GROUPS}
-        groups.setdefault(item.module.__name__, set()).update(uses)
-    for module, uses in groups.items():
-        if len(uses) > 1:
-            raise pytest.UsageError(f"{module} uses fixtures of groups {sorted(uses)}: give them one group in "
-                                    "SHARED_FIXTURE_GROUPS")
-    group_of = {m: next(iter(uses)) if uses else m for m, uses in groups.items()}
-    slow = {group_of[item.module.__name__] for item in items if item.get_closest_marker("slow")}
-    first = {}
+    """Run the groups holding a `slow` test first (the two workers then end together, the fast modules filling in
+    around them), each group's tests in their collected order."""
+    groups = {item.nodeid: _group(item) for item in items}
+    slow = {groups[item.nodeid] for item in items if item.get_closest_marker("slow")}
+    first: dict[str, int] = {}
     for index, item in enumerate(items):
-        first.setdefault(group_of[item.module.__name__], index)
-        item.add_marker(pytest.mark.xdist_group(group_of[item.module.__name__]))
-    # Slow groups first: the workers then end together, the fast modules filling in around them.
-    items.sort(key=lambda item: (group_of[item.module.__name__] not in slow, first[group_of[item.module.__name__]]))
+        first.setdefault(groups[item.nodeid], index)
+    items.sort(key=lambda item: (groups[item.nodeid] not in slow, first[groups[item.nodeid]]))
 
 
 @pytest.fixture(scope="session", autouse=True)
