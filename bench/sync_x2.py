@@ -24,7 +24,7 @@ Steps, in order (each prints one line; rank 0 writes the report after each step)
 
 Invariants checked: a receiver's weights change only through a verified bundle of a newer version; after
 each sync the engine's log-prob of every sampled token equals the trainer's (`torch.equal`, compared on
-rank 0 after a CPU copy, which moves bits unchanged). All model compute is fp32 (parity.model).
+rank 0 after a CPU copy, which moves bits unchanged). Model compute is in the config's dtype (parity.model).
 """
 
 from __future__ import annotations
@@ -304,8 +304,9 @@ class PagedLatents:
     owns `per_request` blocks drawn in shuffled order, unwritten slots hold NaN; `latent` gathers through the
     block table as a paged attention backend does."""
 
-    def __init__(self, batch: int, width: int, block: int, per_request: int, device: torch.device) -> None:
-        self.pool = torch.full((batch * per_request, block, width), float("nan"), device=device)
+    def __init__(self, batch: int, width: int, block: int, per_request: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.pool = torch.full((batch * per_request, block, width), float("nan"), device=device, dtype=dtype)
         self.table = torch.randperm(batch * per_request, device=device).view(batch, per_request)
         self.length = torch.zeros(batch, dtype=torch.long, device=device)
         self.block = block
@@ -360,7 +361,8 @@ def serve(fwd: K3Forward, prompts: list[list[int]], max_new: int, chunk: int, te
     longest = max(map(len, prompts))
     bound = longest + max_new + -(-longest // chunk) + 1  # a finished request keeps re-feeding one token a step
     per_request = -(-bound // 16)
-    caches = [PagedLatents(b, c.latent.shape[-1], 16, per_request, device) if isinstance(c, MLACache) else c
+    caches = [PagedLatents(b, c.latent.shape[-1], 16, per_request, device, c.latent.dtype) if isinstance(c, MLACache)
+              else c
               for c in new_cache(cfg, b)]
     gen = torch.Generator("cpu").manual_seed(seed)
     while not all(r.finished for r in reqs):

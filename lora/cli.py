@@ -100,7 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     merge.add_argument("--adapter", required=True, help="PEFT adapter directory")
     merge.add_argument("--out", required=True, help="new checkpoint directory (must not exist or be empty)")
     merge.add_argument("--dtype", default=None,
-                       help="store the merged model in bfloat16, float16 or float32 (default: as the checkpoint)")
+                       help="store (and so compute) the merged model in bfloat16 or float32 (default: as the checkpoint)")
     merge.set_defaults(func=_run_merge)
 
     push_p = sub.add_parser("push", help="load an adapter into running servers under NAME, atomically (all or none)")

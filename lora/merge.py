@@ -35,7 +35,7 @@ def merge_checkpoint(model: str | Path, adapter_dir: str | Path, out: str | Path
                      progress: Callable[[str], None] | None = None) -> Path:
     """Load the checkpoint `model` and the adapter (validated against it), write the merged checkpoint to `out`.
 
-    `dtype` (bfloat16 / float16 / float32) re-stores every model-dtype tensor (the fp32-stored ones stay fp32)
+    `dtype` (bfloat16 / float32) re-stores every model-dtype tensor (the fp32-stored ones stay fp32)
     before merging, e.g. float32 to keep the merged delta unrounded; default: as stored in `model`."""
     if dtype is not None and dtype not in DTYPES:
         raise AdapterError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

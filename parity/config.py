@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class ConfigError(ValueError):
@@ -28,6 +31,9 @@ class TextConfig:
     (low-rank KDA output gate), and in its released config no MLA output gate and no q-LoRA."""
 
     checkpoint_family: str  # "kimi_k3" or "kimi_linear": which official tensor names (parity.weights.TextNames)
+    torch_dtype: str  # the checkpoint's `torch_dtype`, which is the compute dtype: "bfloat16" or "float32"
+    expert_format: str | None  # "mxfp4": routed experts stored packed (quantization_config); None: model dtype
+    latent_cache: str | None  # "fp8_e4m3": MLA latents cached in FP8 (quantization_config.kv_cache_scheme); None: dtype
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
@@ -85,6 +91,11 @@ class TextConfig:
         )
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of weights and activations in the forward (fp32 kept at the cast points in parity/README.md)."""
+        return COMPUTE_DTYPES[self.torch_dtype]
+
+    @property
     def kda_proj_size(self) -> int:
         return self.kda_num_heads * self.kda_head_dim
 
@@ -140,11 +151,42 @@ def _get(d: dict[str, Any], key: str, where: str, default: Any = ..., kind: type
     return value
 
 
-def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "text_config") -> TextConfig:
+MXFP4_FORMAT = "mxfp4-pack-quantized"  # compressed-tensors' format name, the one vLLM's K3 loader reads
+
+
+def parse_quantization(q: Any) -> tuple[str | None, str | None]:
+    """(expert_format, latent_cache) from a config's `quantization_config` (absent: neither). K3's released form:
+    compressed-tensors, format `mxfp4-pack-quantized` (routed experts); an 8-bit float per-tensor `kv_cache_scheme`
+    asks for FP8 e4m3 MLA latents."""
+    if q is None:
+        return None, None
+    where = "config.quantization_config"
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where} must be a mapping, got {q!r}")
+    if q.get("quant_method") != "compressed-tensors" or q.get("format") != MXFP4_FORMAT:
+        raise ConfigError(f"{where}: zerokl reads quant_method 'compressed-tensors' with format '{MXFP4_FORMAT}' "
+                          f"(MXFP4 routed experts, as K3 ships), got {q.get('quant_method')!r} / {q.get('format')!r}")
+    kv = q.get("kv_cache_scheme")
+    if kv is None:
+        return "mxfp4", None
+    if not isinstance(kv, dict) or kv.get("num_bits") != 8 or kv.get("type") != "float" or kv.get("strategy") != "tensor":
+        raise ConfigError(f"{where}.kv_cache_scheme: only FP8 (num_bits 8, type float, strategy tensor) MLA latents are "
+                          f"supported, got {kv!r}")
+    return "mxfp4", "fp8_e4m3"
+
+
+def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "text_config",
+                      torch_dtype: Any = None, quantization: Any = None) -> TextConfig:
     """Validate a KimiLinearConfig-style dict; layer lists in the file are 1-based, as vLLM reads them.
 
     `checkpoint_family` is the checkpoint's top-level model_type ("kimi_k3" or "kimi_linear"): the text
-    dict itself says `kimi_linear` in both, but the two families name their tensors differently."""
+    dict itself says `kimi_linear` in both, but the two families name their tensors differently.
+    `torch_dtype` is the checkpoint's (top-level) dtype; absent means float32, as in transformers.
+    `quantization` is its `quantization_config` (`parse_quantization`)."""
+    dtype = "float32" if torch_dtype is None else torch_dtype
+    if dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"config: torch_dtype must be one of {sorted(COMPUTE_DTYPES)} (zerokl computes in the "
+                          f"checkpoint's dtype), got {torch_dtype!r}")
     lac = _get(d, "linear_attn_config", where, kind=dict)
     n_layers = _get(d, "num_hidden_layers", where, kind=int)
     kda_1 = _get(lac, "kda_layers", f"{where}.linear_attn_config", kind=list)
@@ -171,8 +213,19 @@ def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "t
         raise ConfigError(f"{where}: tie_word_embeddings: true is not supported: vLLM's K3 and Kimi Linear models and "
                           f"transformers' Kimi Linear always build their own lm_head (set it to false)")
     num_experts = d.get("num_experts")
+    expert_format, latent_cache = parse_quantization(quantization)
+    if expert_format == "mxfp4":
+        widths = {"moe_intermediate_size": d.get("moe_intermediate_size"),
+                  "routed_expert_hidden_size (or hidden_size)": d.get("routed_expert_hidden_size") or d.get("hidden_size")}
+        bad = {k: v for k, v in widths.items() if not isinstance(v, int) or v % 32}
+        if num_experts is None or bad:
+            raise ConfigError(f"{where}: MXFP4 experts need num_experts and expert input widths that are multiples of 32 "
+                              f"(one scale per 32 values), got {bad or 'no num_experts'}")
     return TextConfig(
         checkpoint_family=checkpoint_family,
+        torch_dtype=dtype,
+        expert_format=expert_format,
+        latent_cache=latent_cache,
         vocab_size=_get(d, "vocab_size", where, kind=int),
         hidden_size=_get(d, "hidden_size", where, kind=int),
         num_hidden_layers=n_layers,
@@ -220,11 +273,14 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     """Accept `kimi_k3` (text_config + vision_config) or a bare `kimi_linear` config."""
     model_type = raw.get("model_type")
     if model_type == "kimi_k3":
-        text = parse_text_config(_get(raw, "text_config", "config", kind=dict), "kimi_k3")
+        text = parse_text_config(_get(raw, "text_config", "config", kind=dict), "kimi_k3",
+                                 torch_dtype=raw.get("torch_dtype"), quantization=raw.get("quantization_config"))
         vision = raw.get("vision_config")
         return ModelConfig("kimi_k3", text, VisionConfig(vision) if vision else None, raw)
     if model_type == "kimi_linear":
-        return ModelConfig("kimi_linear", parse_text_config(raw, "kimi_linear", "config"), None, raw)
+        text = parse_text_config(raw, "kimi_linear", "config", torch_dtype=raw.get("torch_dtype"),
+                                 quantization=raw.get("quantization_config"))
+        return ModelConfig("kimi_linear", text, None, raw)
     raise ConfigError(f"config: model_type must be 'kimi_k3' or 'kimi_linear', got {model_type!r}")
 
 

@@ -39,7 +39,7 @@ def capture(fwd: K3Forward, seq: list[int], schedule: Schedule, prefill: int | N
     if schedule == "decode":
         first = max(1, min(prefill if prefill is not None else len(seq) // 2, len(seq)))
         steps = [(0, first)] + [(i, i + 1) for i in range(first, len(seq))]
-    caches = new_cache(fwd.cfg, 1)
+    caches = new_cache(fwd.cfg, 1, fwd.dtype)
     parts: dict[str, list[torch.Tensor]] = {}
     for start, end in steps:
         cap: dict[str, torch.Tensor] = {}

@@ -7,6 +7,19 @@ norms, MoE, AttnRes) or walks a sequence in a fixed order (KDA recurrence, tiled
 kernels' invariance carries over to the whole model: a token's log-prob depends only on its sequence's
 tokens up to it.
 
+Numerics: the checkpoint's `torch_dtype` is the compute dtype (`TextConfig.compute_dtype`). In bf16 every
+weight the checkpoint stores in the model dtype is rounded to bf16 (round to nearest even) where the forward
+reads it (`K3Forward.weight`), so fp32 master weights and the engine's bf16 copies give the same operands;
+activations are bf16 between ops, and each kernel computes in fp32 and rounds its output once. The fp32 cast
+points (router logits and weights, the expert combine, KDA gate, beta, L2-normalised q/k and state, MLA output
+gate, AttnRes scores, log-softmax) are listed in parity/README.md. In fp32 nothing is cast.
+
+Quantised formats (`TextConfig.expert_format`, `latent_cache`): MXFP4 routed experts are either held packed
+(`parity.quant.mxfp4.MXFP4Weight`, dequantised inside the linear kernel: the rollout engine) or as fp32 masters that
+`weight` fake-quantises with the sync's quantiser, straight-through (the trainer), the same values either way. FP8 MLA
+latents go through `parity.quant.fp8.round_trip` before they enter the cache, so every schedule (prefill, decode,
+prefix-cache hit, trainer) attends over the values an FP8 cache holds.
+
 Semantics follow vLLM's Kimi K3 (`vllm/models/kimi_k3/nvidia/`): AttnRes block snapshots (`attn_res`),
 KDA with the full-rank gate, NoPE MLA with a sigmoid output gate, LatentMoE with SiTU and shared experts.
 Kimi Linear checkpoints run the same code with those switches off (`TextConfig`): plain pre-norm residual
@@ -23,31 +36,59 @@ from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.kernels.linear import LoRA
 from parity.kernels.moe import experts_combine
-from parity.weights import text_names, text_specs
+from parity.kernels.primitives import wide
+from parity.quant import fp8, mxfp4
+from parity.quant.mxfp4 import MXFP4Weight
+from parity.weights import is_quantized, packed_names, text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
 
 
+class _RoundToBF16(torch.autograd.Function):
+    """fp32 in, fp32 out holding the bf16 rounding (nearest even) of each value; the gradient passes through in fp32,
+    so a master weight's gradient is never rounded to bf16 (Megatron keeps its main grads in fp32 the same way)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, w: torch.Tensor) -> torch.Tensor:
+        return w.to(torch.bfloat16).to(w.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def bf16_values(w: torch.Tensor) -> torch.Tensor:
+    """`w` as the bf16 compute copy sees it: a bf16 tensor as it is; a wider master rounded to bf16 values, kept in
+    its dtype with a straight-through gradient. The kernels upcast bf16 operands, so both give the same bits."""
+    return w if w.dtype == torch.bfloat16 else _RoundToBF16.apply(w)
+
+
 @dataclass
 class K3Weights:
-    """fp32 compute copies of the official tensors (names from `parity.weights`), plus optional LoRA terms
-    keyed by the base weight's name."""
+    """Compute copies of the official tensors (names from `parity.weights`; fp32-stored ones in fp32, the rest in
+    the compute dtype), plus optional LoRA terms keyed by the base weight's name."""
 
     cfg: TextConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | MXFP4Weight]
     lora: dict[str, LoRA] = field(default_factory=dict)
 
     @classmethod
     def from_official(cls, cfg: TextConfig, weights: dict[str, torch.Tensor]) -> K3Weights:
-        """Upcast every text tensor once; fails naming the first missing tensor."""
-        tensors = {}
-        for name in text_specs(cfg):
-            if name not in weights:
+        """Cast every text tensor once (fp32-stored ones to fp32, the rest to the compute dtype); a quantised weight
+        stored packed (`parity.weights.stored_specs`) is held as an `MXFP4Weight`. Fails naming the first missing tensor."""
+        tensors: dict[str, torch.Tensor | MXFP4Weight] = {}
+        for name, spec in text_specs(cfg).items():
+            packed, scale = packed_names(name)
+            if name in weights:  # a quantised weight given unpacked is a master: fp32, fake-quantised in the forward
+                wide_kept = spec.fp32 or is_quantized(cfg, name)
+                tensors[name] = weights[name].to(torch.float32 if wide_kept else cfg.compute_dtype)
+            elif is_quantized(cfg, name) and packed in weights and scale in weights:
+                tensors[name] = MXFP4Weight(weights[packed], weights[scale])
+            else:
                 raise KeyError(f"checkpoint lacks {name}")
-            tensors[name] = weights[name].to(torch.float32)
         return cls(cfg, tensors)
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor | MXFP4Weight:
         return self.tensors[name]
 
 
@@ -55,15 +96,15 @@ class K3Weights:
 class KDACache:
     """Per-sequence KDA state: conv inputs of the last W-1 tokens and the recurrent state after the last token."""
 
-    conv: torch.Tensor  # [B, W-1, 3P] fp32 (q | k | v pre-conv projections)
-    state: torch.Tensor  # [B, H, K, V] fp32
+    conv: torch.Tensor  # [B, W-1, 3P] activation dtype (q | k | v pre-conv projections)
+    state: torch.Tensor  # [B, H, K, V] fp32 (float64 in gradient checks)
 
 
 @dataclass
 class MLACache:
     """Contiguous per-sequence MLA latents: normalised compressed kv and the (unrotated) key part."""
 
-    latent: torch.Tensor  # [B, S, kv_lora_rank + rope] fp32
+    latent: torch.Tensor  # [B, S, kv_lora_rank + rope] activation dtype
     length: torch.Tensor  # [B] int64, valid positions
 
     def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
@@ -80,15 +121,17 @@ class MLACache:
         self.length = self.length + lens
 
 
-def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype = torch.float32) -> list[KDACache | MLACache]:
-    """Empty caches for `batch` new sequences, one per layer; `dtype` is the weights' compute dtype
-    (fp32 on every parity path; float64 only for gradient checks)."""
+def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype | None = None) -> list[KDACache | MLACache]:
+    """Empty caches for `batch` new sequences, one per layer; `dtype` is the activation dtype (`K3Forward.dtype`;
+    default the config's compute dtype; float64 only for gradient checks). KDA states are at least fp32."""
+    dtype = dtype or cfg.compute_dtype
     caches: list[KDACache | MLACache] = []
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_kda(layer):
             d = cfg.kda_head_dim
             caches.append(KDACache(torch.zeros(batch, cfg.conv_kernel - 1, 3 * cfg.kda_proj_size, dtype=dtype),
-                                   torch.zeros(batch, cfg.kda_num_heads, d, d, dtype=dtype)))
+                                   torch.zeros(batch, cfg.kda_num_heads, d, d,
+                                               dtype=torch.promote_types(dtype, torch.float32))))
         else:
             caches.append(MLACache(torch.zeros(batch, 0, cfg.mla_latent_size, dtype=dtype),
                                    torch.zeros(batch, dtype=torch.long)))
@@ -103,13 +146,38 @@ class K3Forward:
         self.cfg = weights.cfg
         self.names = text_names(weights.cfg)
         self.k = kernels
+        bf16 = weights.cfg.compute_dtype == torch.bfloat16
+        # Activation dtype: bf16, or in fp32 mode the weights' own dtype (fp32; float64 in gradient checks).
+        self.dtype = torch.bfloat16 if bf16 else weights.get(self.names.embed).dtype
+        specs = text_specs(weights.cfg)
+        self._to_bf16 = frozenset(n for n, s in specs.items() if not s.fp32) if bf16 else frozenset()
+        self._quantized = frozenset(n for n in specs if is_quantized(weights.cfg, n))
 
     # --- building blocks ------------------------------------------------------------------------
+    def weight(self, name: str) -> torch.Tensor | MXFP4Weight:
+        """The values the forward computes with: a quantised weight as held packed (the linear kernel dequantises
+        it) or, held as a master, fake-quantised with the sync's quantiser (straight-through); in bf16, model-dtype
+        tensors rounded to bf16 (`bf16_values`: a bf16 copy as it is, an fp32 master rounded with an fp32 gradient);
+        fp32-stored tensors and everything in fp32 as held."""
+        t = self.w.get(name)
+        if isinstance(t, MXFP4Weight):
+            return t
+        if name in self._quantized:
+            return mxfp4.fake_quantize(t, name)
+        return bf16_values(t) if name in self._to_bf16 else t
+
+    def _lora(self, name: str) -> LoRA | None:
+        """The LoRA term of `name`; in bf16, A and B rounded to bf16 like the base weight (`bf16_values`)."""
+        lora = self.w.lora.get(name)
+        if lora is None or not self._to_bf16:
+            return lora
+        return LoRA(bf16_values(lora.a), bf16_values(lora.b), lora.scale)
+
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return self.k.linear(x, self.w.get(name), self.w.lora.get(name))
+        return self.k.linear(x, self.weight(name), self._lora(name))
 
     def _norm(self, x: torch.Tensor, name: str, eps: float | None = None) -> torch.Tensor:
-        return self.k.rmsnorm(x, self.w.get(name), self.cfg.rms_norm_eps if eps is None else eps)
+        return self.k.rmsnorm(x, self.weight(name), self.cfg.rms_norm_eps if eps is None else eps)
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         c = self.cfg
@@ -127,11 +195,11 @@ class K3Forward:
         c = self.cfg
         assert c.num_experts is not None
         flat = x.reshape(-1, x.shape[-1])
-        logits = self.k.linear(flat, self.w.get(f"{p}.gate.weight"))
-        ids, weights = self.k.route(logits, self.w.get(f"{p}.gate.e_score_correction_bias"), c.num_experts_per_token,
+        logits = self.k.linear(wide(flat), self.weight(f"{p}.gate.weight"))  # fp32 logits (vLLM's GateLinear)
+        ids, weights = self.k.route(logits, self.weight(f"{p}.gate.e_score_correction_bias"), c.num_experts_per_token,
                                     c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
         latent = flat if c.routed_expert_hidden_size is None else self._lin(flat, f"{p}.routed_expert_down_proj.weight")
-        routed = self._routed_experts(latent, ids, weights, p)
+        routed = self._routed_experts(latent, ids, weights, p).to(latent.dtype)
         if c.routed_expert_hidden_size is not None:
             if c.latent_moe_use_norm:
                 routed = self._norm(routed, f"{p}.routed_expert_norm.weight")
@@ -141,14 +209,14 @@ class K3Forward:
         return routed.view(x.shape)
 
     def _routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
-        """x: [N, L], ids/weights: [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x): [N, L] (`experts_combine`).
-        Hook: an expert-parallel engine overrides this to run the experts it owns and exchange rows."""
+        """x: [N, L], ids/weights: [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x): [N, L] fp32
+        (`experts_combine`). Hook: an expert-parallel engine overrides this to run the experts it owns and exchange rows."""
         e = range(self.cfg.num_experts or 0)
         return experts_combine(
             x, ids, weights,
-            [self.w.get(f"{p}.experts.{i}.w1.weight") for i in e],
-            [self.w.get(f"{p}.experts.{i}.w3.weight") for i in e],
-            [self.w.get(f"{p}.experts.{i}.w2.weight") for i in e],
+            [self.weight(f"{p}.experts.{i}.w1.weight") for i in e],
+            [self.weight(f"{p}.experts.{i}.w3.weight") for i in e],
+            [self.weight(f"{p}.experts.{i}.w2.weight") for i in e],
             self.k.linear, self._act,
         )
 
@@ -158,24 +226,24 @@ class K3Forward:
         b, t, _ = x.shape
         h, d = c.kda_num_heads, c.kda_head_dim
         proj = torch.cat([self._lin(x, f"{p}.{n}_proj.weight") for n in ("q", "k", "v")], dim=-1)  # [B, T, 3P]
-        conv_w = torch.cat([self.w.get(f"{p}.{n}_conv1d.weight").squeeze(1) for n in ("q", "k", "v")])  # [3P, W]
+        conv_w = torch.cat([self.weight(f"{p}.{n}_conv1d.weight").squeeze(1) for n in ("q", "k", "v")])  # [3P, W]
         conv_out, _ = self.k.short_conv(proj, conv_w, cache.conv)
         window = torch.cat([cache.conv, proj], dim=1)  # last W-1 valid inputs start at lens[b]
         idx = lens.view(b, 1, 1) + torch.arange(c.conv_kernel - 1).view(1, -1, 1)
         cache.conv = window.gather(1, idx.expand(b, c.conv_kernel - 1, window.shape[-1]))
         q, k, v = conv_out.view(b, t, 3, h, d).unbind(2)
-        q, k = self.k.l2norm(q), self.k.l2norm(k)
+        q, k = self.k.l2norm(wide(q)), self.k.l2norm(wide(k))  # fp32, as inside vLLM's KDA kernel
         f = self._lin(self._lin(x, f"{p}.f_a_proj.weight"), f"{p}.f_b_proj.weight").view(b, t, h, d)
-        a_log = self.w.get(f"{p}.A_log").view(h)  # K3 stores [H], Kimi Linear [1, 1, H, 1]
-        g = self.k.kda_gate(f, a_log, self.w.get(f"{p}.dt_bias").view(h, d), c.gate_lower_bound)
-        beta = self.k.sigmoid(self._lin(x, f"{p}.b_proj.weight"))  # [B, T, H]
+        a_log = self.weight(f"{p}.A_log").view(h)  # K3 stores [H], Kimi Linear [1, 1, H, 1]
+        g = self.k.kda_gate(f, a_log, self.weight(f"{p}.dt_bias").view(h, d), c.gate_lower_bound)  # fp32
+        beta = self.k.sigmoid(wide(self._lin(x, f"{p}.b_proj.weight")))  # [B, T, H] fp32
         valid = torch.arange(t).view(1, t) < lens.view(b, 1)
         o, cache.state = self.k.kda(q, k, v, g, beta, d**-0.5, cache.state, valid)
         if c.use_full_rank_gate:
             gate = self._lin(x, f"{p}.g_proj.weight").view(b, t, h, d)
         else:  # Kimi Linear's low-rank output gate
             gate = self._lin(self._lin(x, f"{p}.g_a_proj.weight"), f"{p}.g_b_proj.weight").view(b, t, h, d)
-        o = self.k.gated_rmsnorm(o, gate, self.w.get(f"{p}.o_norm.weight"), KDA_NORM_EPS)
+        o = self.k.gated_rmsnorm(o, gate, self.weight(f"{p}.o_norm.weight"), KDA_NORM_EPS)
         return self._lin(o.reshape(b, t, h * d), f"{p}.o_proj.weight")
 
     def _mla(self, x: torch.Tensor, p: str, cache: MLACache, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -190,37 +258,39 @@ class K3Forward:
         q = q.view(b, t, h, dn + dr)
         kv_a = self._lin(x, f"{p}.kv_a_proj_with_mqa.weight")  # [B, T, r + dr]
         latent = torch.cat([self._norm(kv_a[..., :r], f"{p}.kv_a_layernorm.weight"), kv_a[..., r:]], dim=-1)
+        if c.latent_cache == "fp8_e4m3":
+            latent = fp8.round_trip(latent)  # the values the FP8 cache holds, for every reader
         cache.append(latent, lens)
-        lat = cache.latent  # [B, S, r + dr]
+        lat = cache.latent.to(latent.dtype)  # [B, S, r + dr] (an FP8 page holds exactly these values)
         s = lat.shape[1]
         kv = self._lin(lat[..., :r], f"{p}.kv_b_proj.weight").view(b, s, h, dn + dv)
         k_pe = lat[..., r:].unsqueeze(2).expand(b, s, h, dr)
         keys = torch.cat([kv[..., :dn], k_pe], dim=-1)
         o = self.k.attention(q, keys, kv[..., dn:], pos, cache.length, (dn + dr) ** -0.5)  # [B, T, H, dv]
-        if c.mla_use_output_gate:
-            o = o * self.k.sigmoid(self._lin(x, f"{p}.g_proj.weight").view(b, t, h, dv))
+        if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
+            o = (wide(o) * self.k.sigmoid(wide(self._lin(x, f"{p}.g_proj.weight")).view(b, t, h, dv))).to(o.dtype)
         return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")
 
     # --- the model ------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: ids [B, T] -> [B, T, D] (a row copy). Hook: a vocab-parallel engine overrides it."""
-        return self.w.get(self.names.embed)[ids]
+        return self.weight(self.names.embed)[ids]
 
     def _attn_res(self, blocks: list[torch.Tensor], prefix: torch.Tensor, norm: str, proj: str,
                   out_norm: str | None) -> torch.Tensor:
         """Mix block snapshots and the current prefix (softmax over proj . rmsnorm(candidate)), then `out_norm`."""
         shape = prefix.shape
         cands = torch.stack([*blocks, prefix], dim=-2).reshape(-1, len(blocks) + 1, shape[-1])
-        mixed = self.k.attn_res_mix(cands, self.w.get(norm), self.w.get(proj).view(-1), self.cfg.rms_norm_eps)
+        mixed = self.k.attn_res_mix(cands, self.weight(norm), self.weight(proj).view(-1), self.cfg.rms_norm_eps)
         mixed = mixed.view(shape)
         return mixed if out_norm is None else self._norm(mixed, out_norm)
 
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
                caches: list[KDACache | MLACache], capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """ids, pos: [B, T] (right-padded; padded positions may hold anything >= 0), lens: [B]
-        -> final hidden state before the final norm: [B, T, D] fp32. `capture` receives each block's output."""
+        -> final hidden state before the final norm: [B, T, D] in `self.dtype`. `capture` receives each block's output."""
         c = self.cfg
-        x = self.embed(ids)
+        x = self.embed(ids).to(self.dtype)  # an engine's own embedding (vocab-parallel) may hold fp32 masters
         if capture is not None:
             capture["embed"] = x
         use_res = c.attn_res_block_size is not None
@@ -270,7 +340,7 @@ class K3Forward:
         return prefix
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final RMSNorm then lm_head: [..., D] -> [..., V] fp32."""
+        """Final RMSNorm then lm_head: [..., D] -> [..., V] in the activation dtype (log-probs upcast them)."""
         return self._lin(self._norm(hidden, self.names.norm), self.names.lm_head)
 
     def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -290,7 +360,7 @@ def score_sequences(fwd: K3Forward, seqs: list[list[int]], temperature: float = 
         ids[i, : len(s)] = torch.tensor(s)
     lens = torch.tensor([len(s) for s in seqs])
     pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
-    hidden = fwd.hidden(ids, pos, lens, new_cache(fwd.cfg, b))
+    hidden = fwd.hidden(ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype))
     logits = fwd.logits(hidden[:, :-1])
     lp = fwd.token_logprobs(logits, ids[:, 1:], temperature)
     return [lp[i, : len(s) - 1] for i, s in enumerate(seqs)]
@@ -299,7 +369,7 @@ def score_sequences(fwd: K3Forward, seqs: list[list[int]], temperature: float = 
 def decode_logprobs(fwd: K3Forward, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
     """The rollout engine's schedule for one sequence: prefill `prompt`, then feed one completion token per
     step through the caches. Returns [len(completion)] fp32: entry j is log p(completion[j] | prompt, completion[:j])."""
-    caches = new_cache(fwd.cfg, 1)
+    caches = new_cache(fwd.cfg, 1, fwd.dtype)
     hidden = fwd.hidden(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1),
                         torch.tensor([len(prompt)]), caches)[:, -1]
     out = [fwd.token_logprobs(fwd.logits(hidden), torch.tensor(completion[:1]), temperature)]

@@ -11,12 +11,19 @@ reference model, engines) derives its names from this table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Literal
 
+import torch
+
 from parity.config import TextConfig
+from parity.quant import mxfp4
 
 Init = Literal["linear", "embed", "norm", "bias", "a_log", "dt_bias", "conv", "res_proj"]
+Packing = Literal["mxfp4_packed", "mxfp4_scale"]
 
 TEXT_PREFIX = "language_model"  # K3's text model inside KimiK3ForConditionalGeneration
 
@@ -85,12 +92,14 @@ def text_names(c: TextConfig) -> TextNames:
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """One checkpoint tensor: its shape, whether it is stored in fp32 (else the model dtype), how to initialise it."""
+    """One checkpoint tensor: its shape, whether it is stored in fp32 (else the model dtype), how to initialise it, and
+    for a stored MXFP4 tensor which half it is (uint8 codes or scales)."""
 
     shape: tuple[int, ...]
     fp32: bool
     init: Init
     fan_in: int = 1
+    packing: Packing | None = None
 
 
 def layer_prefix(layer: int, checkpoint_family: str = "kimi_k3") -> str:
@@ -225,3 +234,88 @@ def text_specs(c: TextConfig) -> dict[str, WeightSpec]:
         specs[names.output_res_proj] = WeightSpec((1, h), False, "res_proj", h)
     specs[names.lm_head] = _lin(c.vocab_size, h)
     return specs
+
+
+_ROUTED_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+
+
+def is_quantized(c: TextConfig, name: str) -> bool:
+    """Whether text tensor `name` (a `text_specs` name) is stored packed: the routed experts' w1/w3/w2 of an MXFP4
+    checkpoint (K3 ships only those in MXFP4; every other linear stays in the model dtype)."""
+    return c.expert_format == "mxfp4" and _ROUTED_EXPERT.search(name) is not None
+
+
+def packed_names(name: str) -> tuple[str, str]:
+    """(`...weight_packed`, `...weight_scale`): the stored names of quantised weight `...weight`."""
+    base = name.removesuffix("weight")
+    return f"{base}weight_packed", f"{base}weight_scale"
+
+
+def stored_specs(c: TextConfig) -> dict[str, WeightSpec]:
+    """The text tensors as a checkpoint stores them (and the rollout engine holds them): `text_specs`, with each
+    quantised weight [N, K] replaced by its uint8 codes [N, K/2] and E8M0 scales [N, K/32]."""
+    out: dict[str, WeightSpec] = {}
+    for name, spec in text_specs(c).items():
+        if is_quantized(c, name):
+            n, k = spec.shape
+            packed, scale = packed_names(name)
+            out[packed] = replace(spec, shape=(n, k // 2), packing="mxfp4_packed")
+            out[scale] = replace(spec, shape=(n, k // mxfp4.GROUP), packing="mxfp4_scale")
+        else:
+            out[name] = spec
+    return out
+
+
+def serving_dtype(c: TextConfig, spec: WeightSpec) -> torch.dtype:
+    """The dtype a stored tensor has in a checkpoint and in the rollout engine: uint8 for MXFP4 halves, fp32 for
+    fp32-stored tensors, else the compute dtype."""
+    if spec.packing is not None:
+        return torch.uint8
+    return torch.float32 if spec.fp32 else c.compute_dtype
+
+
+def serving_weights(c: TextConfig, masters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text tensors of `masters` (one tensor per `text_specs` name: fp32 masters, or a checkpoint's values) in
+    their stored form (`stored_specs`): quantised weights through `parity.quant.mxfp4.quantize`, the rest cast to
+    their `serving_dtype` (round to nearest even). These are exactly the operands `parity.model.K3Forward.weight`
+    gives the trainer's forward (fake quantisation, the same rounding), so a weight sync carries the bits both sides
+    compute with. Fails naming the first missing tensor; `QuantError` on a NaN or inf weight that would be quantised."""
+    out = {}
+    for name, spec in text_specs(c).items():
+        if name not in masters:
+            raise KeyError(f"weights lack {name}")
+        out[name] = masters[name].detach() if is_quantized(c, name) else masters[name].detach().to(serving_dtype(c, spec))
+    return pack_quantized(c, out)
+
+
+def pack_quantized(c: TextConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with every quantised weight held unpacked (a `text_specs` name) replaced by its packed halves
+    (`parity.quant.mxfp4.quantize`), in place in the order; everything else as given."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if is_quantized(c, name):
+            q = mxfp4.quantize(t, name)
+            packed, scale = packed_names(name)
+            out[packed], out[scale] = q.packed, q.scale
+        else:
+            out[name] = t
+    return out
+
+
+def master_weights(c: TextConfig, stored: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse view: one tensor per `text_specs` name, quantised weights dequantised to fp32 (exact; quantising
+    them again gives the stored bytes back), every other tensor of `stored` (text or not) passed through."""
+    if c.expert_format is None:
+        return dict(stored)
+    out = dict(stored)
+    for name in text_specs(c):
+        if is_quantized(c, name):
+            packed, scale = packed_names(name)
+            out[name] = mxfp4.dequantize(out.pop(packed), out.pop(scale), torch.float32)
+    return out
+
+
+def bf16_bytes(c: TextConfig) -> int:
+    """What the text weights would take with every model-dtype tensor in bf16 (fp32-stored ones in fp32): the
+    baseline a quantised sync is compared with."""
+    return sum(math.prod(s.shape) * (4 if s.fp32 else 2) for s in text_specs(c).values())

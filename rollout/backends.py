@@ -2,8 +2,8 @@
 
 Two backends, one per vLLM cache kind:
 
-- `latent_backend(L)`: MLA latents in vLLM's paged KV cache, declared as a `FullAttentionSpec` with one
-  head of size L and no V half (one latent per token). It accepts any block size (`MultipleOf(1)`), so
+- `latent_backend(L, dtype)`: MLA latents in vLLM's paged KV cache, declared as a `FullAttentionSpec` with
+  one head of size L and no V half (one latent per token, in the compute dtype). It accepts any block size (`MultipleOf(1)`), so
   the hybrid block alignment vLLM derives from the state page size is always accepted (CPU_MLA takes
   16 only, which is why vLLM's own MLA layer cannot run this hybrid on CPU). `customize_spec` turns the
   generic attention spec vLLM uses for that alignment into the latent spec, so the alignment computes
@@ -34,9 +34,6 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
-
-CACHE_DTYPE = torch.float32  # latents and states are stored exactly as the fp32 forward produced them
-
 
 @dataclass(frozen=True)
 class StepLayout:
@@ -100,8 +97,9 @@ class LatentMetadataBuilder(AttentionMetadataBuilder[LatentMetadata]):
 
 class _LatentBackendBase(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float32"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float32", "bfloat16"]
     latent_size: ClassVar[int]
+    cache_dtype: ClassVar[torch.dtype]
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec: KVCacheSpec | None = None) -> list[int | MultipleOf]:
@@ -117,20 +115,22 @@ class _LatentBackendBase(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One latent of `latent_size` fp32 values per token, no V half."""
+        """One latent of `latent_size` values per token in `cache_dtype` (exactly what the forward produced), no V half."""
         return FullAttentionSpec(block_size=spec.block_size, num_kv_heads=1, head_size=cls.latent_size,
-                                 head_size_v=0, dtype=CACHE_DTYPE, page_size_padded=spec.page_size_padded)
+                                 head_size_v=0, dtype=cls.cache_dtype, page_size_padded=spec.page_size_padded)
 
 
 @cache
-def latent_backend(latent_size: int) -> type[AttentionBackend]:
-    """The latent-cache backend for latents of `latent_size` values (one class per size, like vLLM's
-    dynamically built local-attention backends; cached so every layer shares it)."""
-    name = f"ZeroKLLatentBackend{latent_size}"
+def latent_backend(latent_size: int, dtype: torch.dtype) -> type[AttentionBackend]:
+    """The latent-cache backend for latents of `latent_size` values stored in `dtype` (one class per size and dtype,
+    like vLLM's dynamically built local-attention backends; cached so every layer shares it)."""
+    tag = f"{latent_size}_{str(dtype).removeprefix('torch.')}"
+    name = f"ZeroKLLatentBackend_{tag}"
     return type(name, (_LatentBackendBase,), {
         "latent_size": latent_size,
+        "cache_dtype": dtype,
         "__qualname__": name,
-        "get_name": staticmethod(lambda: f"ZEROKL_LATENT_{latent_size}"),
+        "get_name": staticmethod(lambda: f"ZEROKL_LATENT_{tag.upper()}"),
     })
 
 
@@ -169,7 +169,7 @@ class KDAStateBackend(AttentionBackend):
         return True
 
 
-def latent_spec(block_size: int, latent_size: int) -> AttentionSpec:
-    """The spec a latent layer declares: what `latent_backend(L).customize_spec` makes of any attention spec."""
-    base = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=latent_size, dtype=CACHE_DTYPE)
-    return latent_backend(latent_size).customize_spec(base)
+def latent_spec(block_size: int, latent_size: int, dtype: torch.dtype) -> AttentionSpec:
+    """The spec a latent layer declares: what `latent_backend(L, dtype).customize_spec` makes of any attention spec."""
+    base = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=latent_size, dtype=dtype)
+    return latent_backend(latent_size, dtype).customize_spec(base)

@@ -28,7 +28,6 @@ from parity.config import TextConfig
 from parity.kernels.attention import gather_paged
 from parity.model import KDACache
 from rollout.backends import (
-    CACHE_DTYPE,
     KDAStateBackend,
     KDAStateMetadata,
     LatentMetadata,
@@ -104,7 +103,7 @@ class PagedLatentCache:
         keep = self.slots >= 0
         slots = self.slots[keep]
         block_size = self.pages.shape[1]
-        self.pages[slots // block_size, slots % block_size] = new[keep]
+        self.pages[slots // block_size, slots % block_size] = new[keep].to(self.pages.dtype)  # exact (model's values)
         self.length = self.length + lens
 
     @property
@@ -116,20 +115,21 @@ class PagedLatentCache:
 
 
 class LatentCacheLayer(nn.Module, AttentionLayerBase):
-    """One MLA layer's latents in vLLM's paged KV cache (`[num_blocks, block_size, L]` once bound)."""
+    """One MLA layer's latents in vLLM's paged KV cache (`[num_blocks, block_size, L]` in `dtype` once bound)."""
 
-    def __init__(self, latent_size: int, prefix: str, vllm_config: VllmConfig):
+    def __init__(self, latent_size: int, dtype: torch.dtype, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.latent_size = latent_size
+        self.dtype = dtype
         self.prefix = prefix
         self.kv_cache = torch.tensor([])
         _register(self, prefix, vllm_config)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
-        return latent_backend(self.latent_size)
+        return latent_backend(self.latent_size, self.dtype)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return latent_spec(vllm_config.cache_config.block_size, self.latent_size)
+        return latent_spec(vllm_config.cache_config.block_size, self.latent_size, self.dtype)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """vLLM's view is `[num_blocks, heads=1, block_size, L]`; keep `[num_blocks, block_size, L]`."""
@@ -142,12 +142,13 @@ class LatentCacheLayer(nn.Module, AttentionLayerBase):
 
 
 class KDAStateLayer(nn.Module, MambaBase):
-    """One KDA layer's conv window `[W-1, 3P]` (q | k | v inputs) and recurrent state `[H, K, V]`, fp32,
-    in vLLM's hybrid state cache."""
+    """One KDA layer's conv window `[W-1, 3P]` (q | k | v inputs, compute dtype) and recurrent state `[H, K, V]`
+    (fp32), in vLLM's hybrid state cache."""
 
     def __init__(self, cfg: TextConfig, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.shapes = kda_state_shapes(cfg)
+        self.dtypes = kda_state_dtypes(cfg)
         self.prefix = prefix
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
         _register(self, prefix, vllm_config)
@@ -156,7 +157,7 @@ class KDAStateLayer(nn.Module, MambaBase):
         return self.shapes
 
     def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return (CACHE_DTYPE, CACHE_DTYPE)
+        return self.dtypes
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
@@ -171,14 +172,20 @@ class KDAStateLayer(nn.Module, MambaBase):
         idx = meta.state_index[group.rows]
         fresh = (meta.layout.context_lens[group.rows] == 0).view(-1, 1, 1)
         conv, state = self.kv_cache
-        zero = torch.zeros((), dtype=torch.float32)
-        return KDACache(torch.where(fresh, zero, conv[idx]), torch.where(fresh.view(-1, 1, 1, 1), zero, state[idx]))
+        return KDACache(torch.where(fresh, torch.zeros((), dtype=conv.dtype), conv[idx]),
+                        torch.where(fresh.view(-1, 1, 1, 1), torch.zeros((), dtype=state.dtype), state[idx]))
 
     def write(self, meta: KDAStateMetadata, group: StepGroup, cache: KDACache) -> None:
         idx = meta.state_index[group.rows]
         conv, state = self.kv_cache
         conv[idx] = cache.conv
         state[idx] = cache.state
+
+
+def kda_state_dtypes(cfg: TextConfig) -> tuple[torch.dtype, torch.dtype]:
+    """(conv window, recurrent state) dtypes: the conv window holds activations (compute dtype, exact), the state
+    is fp32 (`parity.model.new_cache`)."""
+    return cfg.compute_dtype, torch.float32
 
 
 def kda_state_shapes(cfg: TextConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:

@@ -89,7 +89,7 @@ class RolloutEngine:
         model_cfg = load_model_config(checkpoint)
         overrides = hf_overrides(kernels, model_cfg.model_type)
         with _engine_core_in_process():
-            self.llm = LLM(model=str(checkpoint), dtype="float32", hf_overrides=overrides,
+            self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,
                            logprobs_mode="processed_logprobs", enforce_eager=True,
                            weight_transfer_config={"backend": WEIGHT_BACKEND}, distributed_executor_backend="mp",
                            **engine_args)

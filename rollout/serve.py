@@ -44,14 +44,14 @@ class LoraServing:
 
 
 def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "127.0.0.1", port: int = 8000,
-               vllm_args: Sequence[str] = (), model_type: str = "kimi_k3",
+               vllm_args: Sequence[str] = (), model_type: str = "kimi_k3", dtype: str = "bfloat16",
                lora: LoraServing | None = None) -> list[str]:
-    """The server command line (argv[0] is this Python); `model_type` is the checkpoint's ("kimi_k3" or
-    "kimi_linear", `run` reads it from the checkpoint)."""
+    """The server command line (argv[0] is this Python); `model_type` ("kimi_k3" or "kimi_linear") and `dtype` (its
+    torch_dtype, the compute dtype) are the checkpoint's: `run` reads them from it."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(checkpoint),
-        "--dtype", "float32",
+        "--dtype", dtype,
         "--hf-overrides", json.dumps(hf_overrides(kernels, model_type)),
         "--logprobs-mode", "processed_logprobs",
         "--enforce-eager",
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         lora = LoraServing(Path(args.lora_root), args.max_loras, args.max_lora_rank)
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra,
-                      load_model_config(args.checkpoint).model_type, lora)
+    cfg = load_model_config(args.checkpoint)
+    argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,
+                      lora)
     os.execve(argv[0], argv, {**os.environ, **(lora.env() if lora else {})})

@@ -2,7 +2,8 @@
 
 `ZeroKLK3ForCausalLM` serves the official `KimiK3ForConditionalGeneration` checkpoints (text tower) and
 `KimiLinearForCausalLM` checkpoints, each under its family's tensor names (`parity.weights.text_names`).
-It holds the official tensors as plain fp32 parameters under their official names (no vLLM linear
+It holds the official tensors as plain parameters under their official names, in their serving dtype
+(`parity.weights.serving_dtype`: the checkpoint's compute dtype, fp32 for fp32-stored tensors; no vLLM linear
 layers, so nothing is prepacked or emptied on CPU), and runs every op of the forward through
 `parity.model.K3Forward` on the chosen parity kernel backend, so a token's hidden state has the bits
 the trainer's `parity.model.score_sequences` gives it. MLA latents live in vLLM's paged KV cache and KDA
@@ -25,11 +26,12 @@ from torch import nn
 from parity.config import ModelConfig, load_model_config
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, KDACache
-from parity.weights import official_name, text_specs
+from parity.quant import fp8
+from parity.quant.mxfp4 import MXFP4Weight
+from parity.weights import is_quantized, official_name, packed_names, serving_dtype, stored_specs, text_specs
 from rollout import vllm_compat
-from rollout.backends import CACHE_DTYPE
 from lora.targets import suffixes
-from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_shapes
+from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes
 from rollout.lora_table import AdapterTable
 from rollout.plugin import KERNELS_KEY
 from vllm.config import VllmConfig
@@ -60,18 +62,18 @@ def _copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: 
     return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
 
 
-def _param_tree(specs: dict[str, tuple[int, ...]]) -> nn.Module:
-    """Modules nested along the dotted official names, each leaf an fp32 parameter, so that
+def _param_tree(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> nn.Module:
+    """Modules nested along the dotted official names, each leaf a parameter of the given shape and dtype, so that
     `named_parameters()` yields exactly the official names."""
     root = nn.Module()
-    for name, shape in specs.items():
+    for name, (shape, dtype) in specs.items():
         *path, leaf = name.split(".")
         mod = root
         for part in path:
             if part not in mod._modules:
                 mod.add_module(part, nn.Module())
             mod = mod._modules[part]
-        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False))
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
     return root
 
 
@@ -84,9 +86,11 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        if vllm_config.model_config.dtype != torch.float32:
+        model_cfg = checkpoint_config(vllm_config)
+        cfg = model_cfg.text
+        if vllm_config.model_config.dtype != cfg.compute_dtype:
             raise ModelSetupError(
-                f"zerokl's K3 computes and caches in fp32; start vLLM with dtype='float32' "
+                f"zerokl's K3 computes in the checkpoint's torch_dtype; start vLLM with dtype='{cfg.torch_dtype}' "
                 f"(got {vllm_config.model_config.dtype})")
         if vllm_config.num_speculative_tokens:
             raise ModelSetupError("speculative decoding is not supported by zerokl's K3 rollout model")
@@ -94,23 +98,36 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
             raise ModelSetupError("zerokl's K3 rollout model runs unsharded: use tensor/pipeline parallel size 1")
         vllm_compat.apply()
-        model_cfg = checkpoint_config(vllm_config)
-        cfg = model_cfg.text
         self.cfg = cfg
         self.kernels = get_kernels(getattr(vllm_config.model_config.hf_config, KERNELS_KEY, "invariant"))
-        self.skipped_names = frozenset(all_specs(model_cfg)) - frozenset(text_specs(cfg))
-        root = _param_tree({name: spec.shape for name, spec in text_specs(cfg).items()})
+        stored = stored_specs(cfg)
+        self.skipped_names = frozenset(all_specs(model_cfg)) - frozenset(stored)
+        root = _param_tree({name: (spec.shape, serving_dtype(cfg, spec)) for name, spec in stored.items()})
         for name, child in root.named_children():
             self.add_module(name, child)
-        self.fwd = K3Forward(K3Weights(cfg, dict(self.named_parameters())), self.kernels)
+        self.fwd = K3Forward(K3Weights(cfg, self._compute_tensors()), self.kernels)
         self.adapters = AdapterTable(self.fwd, self.kernels)
         self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm_compat)
         self.lora_manager: Any = None  # vLLM's LoRAModelManager sets itself here when LoRA is enabled
         self.cache_layers = nn.ModuleList(
             KDAStateLayer(cfg, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
-            else LatentCacheLayer(cfg.mla_latent_size, f"{prefix}cache_layers.{i}", vllm_config)
+            else LatentCacheLayer(cfg.mla_latent_size, fp8.STORAGE_DTYPE if cfg.latent_cache else cfg.compute_dtype,
+                                  f"{prefix}cache_layers.{i}", vllm_config)
             for i in range(cfg.num_hidden_layers)
         )
+
+    def _compute_tensors(self) -> dict[str, torch.Tensor | MXFP4Weight]:
+        """What `K3Forward` reads, by `text_specs` name: the parameters themselves, MXFP4 experts as packed views of
+        their two parameters (dequantised inside the linear kernel; a weight sync rewrites the parameters in place)."""
+        params = dict(self.named_parameters())
+        tensors: dict[str, torch.Tensor | MXFP4Weight] = {}
+        for name in text_specs(self.cfg):
+            if is_quantized(self.cfg, name):
+                packed, scale = packed_names(name)
+                tensors[name] = MXFP4Weight(params[packed], params[scale])
+            else:
+                tensors[name] = params[name]
+        return tensors
 
     # --- vLLM model interface -------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -118,10 +135,10 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: object = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
-        """Flat step tokens [N] -> hidden states before the final norm [N, D] fp32 (zeros on padding)."""
+        """Flat step tokens [N] -> hidden states before the final norm [N, D] in the compute dtype (zeros on padding)."""
         if inputs_embeds is not None:
             raise ModelSetupError("zerokl's K3 takes token ids; prompt embeddings are not supported")
-        out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size)
+        out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=self.cfg.compute_dtype)
         metadata = get_forward_context().attn_metadata
         if metadata is None:  # vLLM's dummy/profile runs: no caches bound, nothing to compute
             return out
@@ -153,13 +170,14 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         self.adapters.load(lora_request.lora_int_id, lora_request.lora_path, registered)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Final norm and lm_head on the parity kernels: [M, D] -> [M, V] fp32."""
+        """Final norm and lm_head on the parity kernels: [M, D] -> [M, V] in the compute dtype (vLLM's sampler
+        upcasts to fp32, as `parity.kernels.logprobs` does)."""
         return self.fwd.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy each official text tensor (either spelling, `parity.weights.official_name`) into its fp32 parameter
-        (the same upcast as `K3Weights.from_official`); skip the vision tower; fail on any other name, on a tensor
-        stored twice and on any text tensor the checkpoint lacks. Returns the names loaded."""
+        """Copy each official text tensor (either spelling, `parity.weights.official_name`) into its parameter, in
+        the parameter's serving dtype (the cast of `K3Weights.from_official`); skip the vision tower; fail on any other
+        name, on a tensor stored twice and on any text tensor the checkpoint lacks. Returns the names loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for stored, tensor in weights:
@@ -173,7 +191,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             if tuple(tensor.shape) != tuple(params[name].shape):
                 raise ModelSetupError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                                       f"config says {tuple(params[name].shape)}")
-            params[name].data.copy_(tensor.to(torch.float32))
+            params[name].data.copy_(tensor.to(params[name].dtype))
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
@@ -187,7 +205,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
-        return (CACHE_DTYPE, CACHE_DTYPE)
+        return kda_state_dtypes(checkpoint_config(vllm_config).text)
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple[MambaStateCopyFunc, MambaStateCopyFunc]:

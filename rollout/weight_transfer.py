@@ -7,11 +7,12 @@ weight-update API: `start_weight_update`, `update_weights({"transport": NAME, "m
 names a directory the trainer wrote once).
 
 All-or-nothing: `update_weights` verifies the whole bundle (every text weight present with the model's shape and
-fp32 dtype, every checksum matching the bytes that arrived, finite values, a version newer than the worker's) and
+dtype, every checksum matching the bytes that arrived, finite values, a version newer than the worker's) and
 only stages it; `finish_weight_update` copies the staged tensors into the parameters (shapes and dtypes already
 checked, so the copy cannot stop half way). A rejected update raises and leaves the previous weights and version in
-place. Wire dtype is fp32, the dtype the parity forward computes with, so the bits the trainer's forward uses are
-the bits the rollout uses.
+place. Wire dtypes are the parameters' (`parity.weights.serving_weights`: fp32 for fp32-stored tensors, else the
+compute dtype), the operands the parity forward computes with, so the bits the trainer's forward uses are the bits
+the rollout uses.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class SyncUpdateInfo(WeightTransferUpdateInfo):
 
 
 class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateInfo]):
-    """Receives full fp32 weight bundles for zerokl's K3 model; see the module docstring for the guarantees."""
+    """Receives full weight bundles for zerokl's K3 model; see the module docstring for the guarantees."""
 
     init_info_cls = SyncInitInfo
     update_info_cls = SyncUpdateInfo
@@ -68,7 +69,7 @@ class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateIn
         bundle = by_name(update_info.transport).receive(update_info.message)
         if bundle.kind != "full":
             raise SyncError(f"zerokl's rollout model takes full weight bundles, got kind {bundle.kind!r}")
-        expected = {name: (tuple(p.shape), torch.float32) for name, p in self._params().items()}
+        expected = {name: (tuple(p.shape), p.dtype) for name, p in self._params().items()}
         verify(bundle, expected, self.version)
         for name, t in bundle.tensors.items():
             if not bool(torch.isfinite(t).all()):

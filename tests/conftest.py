@@ -12,40 +12,59 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (K3_ENGINE_ARGS, K3_LORA_ARGS, PPO_REFERENCE_CHECKPOINTS, PPO_REFERENCE_STEPS, PPOReference,
-                     free_port, running_server)
+from helpers import (K3_ENGINE_ARGS, K3_LORA_ARGS, PPO_REFERENCE_CHECKPOINTS, PPO_REFERENCE_CONFIG, PPO_REFERENCE_STEPS,
+                     PPOReference, free_port, running_server)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _float32_copy(config: Path, out: Path) -> Path:
+    """The config's seed-0 checkpoint (bf16) with every bf16 tensor upcast (exactly) and `torch_dtype: float32`."""
+    import torch
+
+    from parity.config import parse_model_config
+    from parity.io.checkpoint import init_checkpoint, load_checkpoint, save_checkpoint
+
+    cfg, weights = load_checkpoint(init_checkpoint(config, out.with_name(out.name + "-bf16"), seed=0))
+    fp32 = {n: t.float() if t.dtype == torch.bfloat16 else t for n, t in weights.items()}
+    return save_checkpoint(parse_model_config({**cfg.raw, "torch_dtype": "float32"}), fp32, out)
+
+
 @pytest.fixture(scope="session")
 def k3_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The k3-tiny checkpoint, seed 0, bf16 storage: built once per test session; tests read it and never write
-    into it (they copy what they change)."""
-    from parity.io.checkpoint import init_checkpoint
-
-    return init_checkpoint(REPO / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("k3-tiny") / "k3-tiny", seed=0)
+    """The k3-tiny checkpoint, seed 0, its bf16 weights re-stored in fp32 (`torch_dtype: float32`), so it computes in
+    fp32: the suite's fp32 coverage (`k3_tiny_mxfp4` is the bf16 / MXFP4 / FP8 one). Built once per test session;
+    tests read it and never write into it (they copy what they change)."""
+    return _float32_copy(REPO / "configs" / "k3-tiny.yaml", tmp_path_factory.mktemp("k3-tiny") / "k3-tiny")
 
 
 @pytest.fixture(scope="session")
 def kimi_linear_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The kimi-linear-tiny checkpoint, seed 0, bf16 storage, once per session (read only, as `k3_tiny`)."""
-    from parity.io.checkpoint import init_checkpoint
-
-    return init_checkpoint(REPO / "configs" / "kimi-linear-tiny.yaml",
-                           tmp_path_factory.mktemp("kimi-linear-tiny") / "kimi-linear-tiny", seed=0)
+    """The kimi-linear-tiny checkpoint, seed 0, re-stored in fp32 like `k3_tiny`, once per session (read only)."""
+    return _float32_copy(REPO / "configs" / "kimi-linear-tiny.yaml",
+                         tmp_path_factory.mktemp("kimi-linear-tiny") / "kimi-linear-tiny")
 
 
 @pytest.fixture(scope="session")
-def ppo_reference(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> PPOReference:
-    """configs/ppo-tiny.yaml on `k3_tiny` (the checkpoint the config's model and seed give), PPO_REFERENCE_STEPS steps
-    in this process with checkpoints after PPO_REFERENCE_CHECKPOINTS, every step's parity holding; the run is
-    closed before the tests that read it start (one Megatron trainer per process at a time)."""
+def k3_tiny_mxfp4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """configs/k3-tiny-mxfp4.yaml, seed 0: bf16 compute, MXFP4 routed experts, FP8 MLA latents (read only)."""
+    from parity.io.checkpoint import init_checkpoint
+
+    return init_checkpoint(REPO / "configs" / "k3-tiny-mxfp4.yaml",
+                           tmp_path_factory.mktemp("k3-tiny-mxfp4") / "k3-tiny-mxfp4", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ppo_reference(k3_tiny_mxfp4: Path, tmp_path_factory: pytest.TempPathFactory) -> PPOReference:
+    """PPO_REFERENCE_CONFIG (configs/ppo-tiny-mxfp4.yaml) on `k3_tiny_mxfp4`, the checkpoint its model and seed give
+    (K3's own numerics: bf16, MXFP4 experts, FP8 latents): PPO_REFERENCE_STEPS steps in this process with checkpoints
+    after PPO_REFERENCE_CHECKPOINTS, every step's parity holding; the run is closed before the tests that read it
+    start (one Megatron trainer per process at a time)."""
     from zerokl.ppo.config import load_ppo_config
     from zerokl.ppo.loop import PPORun
 
     out = tmp_path_factory.mktemp("ppo-reference")
-    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny.yaml"), model=str(k3_tiny), steps=PPO_REFERENCE_STEPS,
+    cfg = replace(load_ppo_config(REPO / PPO_REFERENCE_CONFIG), model=str(k3_tiny_mxfp4), steps=PPO_REFERENCE_STEPS,
                   wandb="disabled")
     run = PPORun(cfg, out, log=lambda _: None)
     metrics = []

@@ -5,6 +5,7 @@ free local port, a vLLM server process for the test's duration, and the settings
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import torch
 K3_ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 16, "enable_prefix_caching": True, "prefix_match_unit": 16}
 K3_LORA_ARGS = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 PPO_REFERENCE_STEPS = 24
+PPO_REFERENCE_CONFIG = "configs/ppo-tiny-mxfp4.yaml"  # the run the PPO modules compare with
 PPO_REFERENCE_CHECKPOINTS = (2, 4)
 
 
@@ -103,3 +105,15 @@ def running_server(argv: Sequence[str], port: int, log: Path, start_timeout: flo
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def ppo_config_file(out: Path, base: str, checkpoint: Path, steps: int, checkpoint_every: int = 2) -> Path:
+    """The PPO config `base` (a path under the repo) run on `checkpoint` for `steps` steps, a checkpoint every
+    `checkpoint_every`, no wandb, written to `out/ppo.yaml`."""
+    text = (Path(__file__).resolve().parents[1] / base).read_text()
+    for key, value in (("model", checkpoint), ("steps", steps), ("checkpoint_every", checkpoint_every),
+                       ("wandb", "disabled")):
+        text = re.sub(rf"^{key}: .*$", f"{key}: {value}", text, count=1, flags=re.M)
+    path = out / "ppo.yaml"
+    path.write_text(text)
+    return path

@@ -176,9 +176,9 @@ def test_resume_from_a_run_directory_takes_its_latest_complete_checkpoint(ppo_re
 
 
 @pytest.mark.parametrize(("key", "value"), [("lora", "true"), ("model", "configs/k3-small.yaml")])
-def test_resume_into_another_run_is_refused(key: str, value: str, ppo_reference: PPOReference, k3_tiny: Path,
+def test_resume_into_another_run_is_refused(key: str, value: str, ppo_reference: PPOReference, k3_tiny_mxfp4: Path,
                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = _ppo_config(tmp_path, k3_tiny, **{key: value})
+    config = _ppo_config(tmp_path, k3_tiny_mxfp4, **{key: value})  # the reference run's checkpoint
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), "--resume", str(ppo_reference.out)],
                 capsys, str(ppo_reference.out / "checkpoints" / "step-4"), f"run with {key}:")
     assert not (tmp_path / "out").exists()

@@ -199,6 +199,7 @@ def test_gradcheck_float64_adapter(par: ParallelContext) -> None:
     """Autograd of the trainer's forward with respect to the adapter (A and B of every target moved along a
     fixed direction, one scalar each) vs central finite differences in float64."""
     raw = copy.deepcopy(load_model_config(ROOT / "configs" / "k3-tiny.yaml").raw)
+    raw["torch_dtype"] = "float32"  # fp32 mode: the weights' own dtype (float64) is the compute dtype
     raw["text_config"].update(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                               num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                               qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_token=2,

@@ -1,11 +1,13 @@
 """`zerokl ppo` end to end on k3-tiny: real vLLM rollouts, real Megatron trainer.
 
-The session's reference run (`ppo_reference`, in-process, 24 steps of configs/ppo-tiny.yaml) pins: KL exactly 0 and
+The session's reference run (`ppo_reference`, in-process, 24 steps of configs/ppo-tiny-mxfp4.yaml: bf16, MXFP4
+experts with a quantisation-aware trainer, FP8 latents) pins: KL exactly 0 and
 every log-prob bitwise equal at every step, policy versions in lock-step, a rising reward. A run of the command in
 its own process is killed after its step-2 checkpoint and resumed (`--resume`): its metrics and final weights equal
 the reference's bit for bit. A run resumed from the reference's step-2 checkpoint gets a tensor corrupted in flight:
 the sync is rejected, the engine keeps its version, and the next step equals the reference's step 2. With the fast
-kernels the first step reports non-zero KL and a diagnosis, and the command exits 1. The resumed and fast-kernel
+kernels (fp32 k3-tiny, where a replayed schedule differs at a named block) the first step reports non-zero KL and a
+diagnosis naming the block, and the command exits 1. The resumed and fast-kernel
 commands run in this process (`zerokl.cli.main`; tests/test_cli.py runs the console script itself).
 """
 
@@ -27,20 +29,12 @@ from parity.sync.bundle import WeightBundle
 from zerokl.cli import main
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun, SyncFailed
-from helpers import PPOReference
+from helpers import PPO_REFERENCE_CONFIG, PPOReference, ppo_config_file
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _config_for(out: Path, checkpoint: Path, steps: int) -> Path:
-    cfg = (REPO / "configs/ppo-tiny.yaml").read_text().replace("model: configs/k3-tiny.yaml", f"model: {checkpoint}")
-    cfg = cfg.replace("steps: 100", f"steps: {steps}").replace("checkpoint_every: 25", "checkpoint_every: 2")
-    path = out / "ppo.yaml"
-    path.write_text(cfg.replace("wandb: offline", "wandb: disabled"))
-    return path
 
 
 def _without_timings(m: dict) -> dict:
@@ -60,10 +54,10 @@ def test_reward_rises(ppo_reference: PPOReference) -> None:
     assert last > first + 0.05, (first, last)
 
 
-def test_kill_and_resume_is_bitwise(ppo_reference: PPOReference, k3_tiny: Path, tmp_path: Path) -> None:
+def test_kill_and_resume_is_bitwise(ppo_reference: PPOReference, k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
-    cfg = _config_for(out, k3_tiny, steps=4)
+    cfg = ppo_config_file(out, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=4)
     proc = subprocess.Popen([str(Path(sys.executable).with_name("zerokl")), "ppo", "--config", str(cfg), "--out",
                              str(out)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -87,9 +81,9 @@ def test_kill_and_resume_is_bitwise(ppo_reference: PPOReference, k3_tiny: Path, 
     assert all(torch.equal(final[n], ref[n]) for n in ref)
 
 
-def test_corrupted_sync_leaves_engine_on_old_version(ppo_reference: PPOReference, k3_tiny: Path,
+def test_corrupted_sync_leaves_engine_on_old_version(ppo_reference: PPOReference, k3_tiny_mxfp4: Path,
                                                      tmp_path: Path) -> None:
-    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny.yaml"), model=str(k3_tiny), wandb="disabled")
+    cfg = replace(load_ppo_config(REPO / PPO_REFERENCE_CONFIG), model=str(k3_tiny_mxfp4), wandb="disabled")
     run = PPORun(cfg, tmp_path / "run", resume=ppo_reference.out / "checkpoints" / "step-2", log=lambda _: None)
     try:
         before = run.engine.policy_version
@@ -124,7 +118,7 @@ def test_corrupted_sync_leaves_engine_on_old_version(ppo_reference: PPOReference
 
 
 def test_fast_kernels_break_the_check(k3_tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = _config_for(tmp_path, k3_tiny, steps=3)
+    cfg = ppo_config_file(tmp_path, "configs/ppo-tiny.yaml", k3_tiny, steps=3)
     assert main(["ppo", "--config", str(cfg), "--out", str(tmp_path / "fast"), "--kernels", "fast"]) == 1
     assert "PARITY BROKEN at step 0" in capsys.readouterr().out
     m = json.loads((tmp_path / "fast" / "metrics.jsonl").read_text().splitlines()[0])

@@ -1,4 +1,5 @@
-"""The DeepSpeed trainer backend through the commands (k3-tiny, real vLLM engine).
+"""The DeepSpeed trainer backend through the commands (k3-tiny-mxfp4: bf16, MXFP4 experts, FP8 latents; real vLLM
+engine).
 
 `zerokl parity check --backend deepspeed` (ZeRO-3, one process), base and with a LoRA adapter (`--lora`: the rollout
 engine's LoRA against PEFT's on the DeepSpeed trainer): every sampled token's log-prob bitwise equal, batched and
@@ -25,7 +26,7 @@ from lora.adapter import save_adapter
 from lora.init import random_adapter
 from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
-from helpers import PPO_REFERENCE_CHECKPOINTS, PPOReference
+from helpers import PPO_REFERENCE_CHECKPOINTS, PPO_REFERENCE_CONFIG, PPOReference, ppo_config_file
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
@@ -36,19 +37,15 @@ TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 
 
 @pytest.fixture(scope="module")
-def ckpt(k3_tiny: Path) -> Path:
-    return k3_tiny
+def ckpt(k3_tiny_mxfp4: Path) -> Path:
+    """The reference run's checkpoint: bf16, MXFP4 experts (fake-quantised by the DeepSpeed trainer too), FP8 latents."""
+    return k3_tiny_mxfp4
 
 
 @pytest.fixture(scope="module")
 def config(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """configs/ppo-tiny.yaml on `ckpt`, STEPS steps, a checkpoint every CHECKPOINT_EVERY steps, no wandb."""
-    text = (REPO / "configs/ppo-tiny.yaml").read_text().replace("model: configs/k3-tiny.yaml", f"model: {ckpt}")
-    text = text.replace("steps: 100", f"steps: {STEPS}").replace("checkpoint_every: 25",
-                                                                 f"checkpoint_every: {CHECKPOINT_EVERY}")
-    path = tmp_path_factory.mktemp("ds-cmd") / "ppo.yaml"
-    path.write_text(text.replace("wandb: offline", "wandb: disabled"))
-    return path
+    """The reference run's config on `ckpt`, STEPS steps, a checkpoint every CHECKPOINT_EVERY steps, no wandb."""
+    return ppo_config_file(tmp_path_factory.mktemp("ds-cmd"), PPO_REFERENCE_CONFIG, ckpt, STEPS, CHECKPOINT_EVERY)
 
 
 @pytest.fixture(scope="module")

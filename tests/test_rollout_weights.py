@@ -15,7 +15,7 @@ import torch
 
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from parity.weights import text_specs
+from parity.weights import master_weights, serving_weights
 from rollout.engine import RolloutEngine, Sample
 from parity.io.checkpoint import load_checkpoint, random_weights
 from parity.sync.bundle import SyncError, WeightBundle
@@ -38,14 +38,15 @@ def engine(k3_engine: RolloutEngine, checkpoint: Path) -> Iterator[RolloutEngine
     yield k3_engine
     cfg, tensors = load_checkpoint(checkpoint)
     k3_engine.update_weights(WeightBundle.make(k3_engine.policy_version + 1,
-                                               {n: t.float() for n, t in tensors.items() if n in text_specs(cfg.text)}))
+                                               serving_weights(cfg.text, master_weights(cfg.text, tensors))))
     for a, b in zip(_rollout(k3_engine), before):
         assert a.completion_ids == b.completion_ids and torch.equal(a.logprobs, b.logprobs)
 
 
-def _fp32_text_weights(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
+def _text_weights(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
+    """New random text weights in the form a sync carries (`parity.weights.serving_weights`)."""
     cfg, _ = load_checkpoint(checkpoint)
-    return {n: t.float() for n, t in random_weights(cfg, seed=seed).items() if n in text_specs(cfg.text)}
+    return serving_weights(cfg.text, master_weights(cfg.text, random_weights(cfg, seed=seed)))
 
 
 def _rollout(engine: RolloutEngine) -> list[Sample]:
@@ -56,7 +57,7 @@ def _rollout(engine: RolloutEngine) -> list[Sample]:
 def test_update_installs_new_policy(engine: RolloutEngine, checkpoint: Path, transport: str, tmp_path: Path) -> None:
     """Through either transport the workers use (`shared_memory`: one segment, no disk; `disk`: one write)."""
     _rollout(engine)  # warm the prefix cache with the old weights' latents and states
-    new = _fp32_text_weights(checkpoint, seed=7 + len(transport))
+    new = _text_weights(checkpoint, seed=7 + len(transport))
     version = engine.policy_version + 1
     engine.update_weights(WeightBundle.make(version, new), SharedMemory() if transport == "shared_memory" else Disk(tmp_path))
     assert engine.policy_version == version
@@ -89,8 +90,10 @@ def _nan(b: WeightBundle) -> WeightBundle:
     return WeightBundle.make(b.version, tensors)  # checksums match: only the finiteness check rejects it
 
 
-def _bf16(b: WeightBundle) -> WeightBundle:
-    return WeightBundle.make(b.version, {n: t.bfloat16() for n, t in b.tensors.items()})
+def _retyped(b: WeightBundle) -> WeightBundle:
+    """Every bf16 tensor sent as fp32 and the reverse (the values fit; the dtypes are not the engine's)."""
+    return WeightBundle.make(b.version, {n: t.float() if t.dtype == torch.bfloat16 else t.bfloat16()
+                                         for n, t in b.tensors.items()})
 
 
 def _stale(b: WeightBundle) -> WeightBundle:
@@ -101,13 +104,13 @@ def _stale(b: WeightBundle) -> WeightBundle:
     (_flip_bit, "checksum mismatch"),
     (_drop_one, "partial update"),
     (_nan, "non-finite"),
-    (_bf16, "expected"),
+    (_retyped, "expected"),
     (_stale, "stale update"),
 ])
 def test_rejected_update_keeps_previous_weights(engine: RolloutEngine, checkpoint: Path,
                                                 damage: Callable[[WeightBundle], WeightBundle], message: str) -> None:
     before, version = _rollout(engine), engine.policy_version
-    bundle = damage(WeightBundle.make(version + 1, _fp32_text_weights(checkpoint, seed=11)))
+    bundle = damage(WeightBundle.make(version + 1, _text_weights(checkpoint, seed=11)))
     with pytest.raises(SyncError, match=message):
         engine.update_weights(bundle)
     after = _rollout(engine)

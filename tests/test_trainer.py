@@ -187,6 +187,7 @@ def test_one_optimizer_step_lowers_the_loss(par: ParallelContext, checkpoint: Pa
 def _micro_config() -> ModelConfig:
     """k3-tiny shrunk for float64 finite differences: 4 layers (3 KDA + MLA; dense then LatentMoE), AttnRes."""
     raw = copy.deepcopy(load_model_config(ROOT / "configs" / "k3-tiny.yaml").raw)
+    raw["torch_dtype"] = "float32"  # fp32 mode: the weights' own dtype (float64) is the compute dtype
     raw["text_config"].update(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                               num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                               qk_rope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_token=2,

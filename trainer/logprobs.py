@@ -61,8 +61,7 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     scored token). Same calls as `parity.model.score_sequences`, so the same bits."""
     b, t = input_ids.shape
     pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
-    dtype = next(iter(fwd.w.tensors.values())).dtype
-    hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, dtype))
+    hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype))
     lp = fwd.token_logprobs(fwd.logits(hidden[:, :-1]), input_ids[:, 1:], temperature)  # [B, T-1]
     scored = torch.arange(t - 1).view(1, -1) < (lens - 1).view(-1, 1)
     return F.pad(torch.where(scored, lp, torch.zeros((), dtype=lp.dtype)), (0, 1))

@@ -38,7 +38,8 @@ def _add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="model config (YAML/JSON, official HF format)")
     p.add_argument("--out", required=True, help="new checkpoint directory (must not exist or be empty)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", help="storage dtype of non-fp32 tensors: bfloat16, float16, float32")
+    p.add_argument("--dtype", default=None, help="bfloat16 or float32: the checkpoint's torch_dtype, in which the model "
+                   "is stored and computed (default: the config's torch_dtype)")
     p.set_defaults(func=_run_init_checkpoint)
 
 

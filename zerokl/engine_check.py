@@ -208,15 +208,16 @@ class Trial:
 
 def selftest(checker: Checker, prompts: list[list[int]], trials: int = 20, seed: int = 0, max_tokens: int = 16,
              temperature: float = 1.0, log: Any = print) -> list[Trial]:
-    """Perturb one random weight element by one fp32 ulp on the rollout side only, `trials` times; each time
+    """Perturb one random weight element by one ulp of its serving dtype (`parity.weights.serving_dtype`) on the
+    rollout side only, `trials` times; each time
     `check` must fail and the diagnosis must name the block that tensor feeds. A draw whose change alters no
     sampled log-prob (verified through the shared forward) has nothing to detect and is redrawn, counted."""
-    from parity.weights import text_specs
+    from parity.weights import master_weights, serving_weights
     from parity.sync.bundle import WeightBundle
 
     rng = random.Random(seed)
-    base = {n: checker.tensors[n].to(torch.float32) for n in text_specs(checker.cfg.text)}
-    names = sorted(base)
+    base = serving_weights(checker.cfg.text, master_weights(checker.cfg.text, checker.tensors))
+    names = sorted(n for n, t in base.items() if t.is_floating_point())  # not the packed MXFP4 halves
     results = []
     for trial in range(trials):
         redraws = 0
@@ -226,7 +227,7 @@ def selftest(checker: Checker, prompts: list[list[int]], trials: int = 20, seed:
             perturbed = dict(base)
             t = base[name].clone()
             flat = t.view(-1)
-            flat[index] = torch.nextafter(flat[index], torch.tensor(float("inf")))
+            flat[index] = torch.nextafter(flat[index], torch.tensor(float("inf"), dtype=t.dtype))
             perturbed[name] = t
             checker.engine.update_weights(WeightBundle.make(checker.engine.policy_version + 1, perturbed))
             res = checker.check(prompts, mix="random", max_tokens=max_tokens, temperature=temperature,

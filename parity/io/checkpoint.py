@@ -16,14 +16,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parity.config import ConfigError, ModelConfig, load_model_config
-from parity.weights import WeightSpec, official_name, text_specs
+from parity.config import COMPUTE_DTYPES, ConfigError, ModelConfig, load_model_config
+from parity.quant import mxfp4
+from parity.weights import (WeightSpec, is_quantized, official_name, pack_quantized, packed_names, stored_specs,
+                            text_specs)
 from parity.io.atomic import atomic_dir
 from parity.io.tokenizer import build_tokenizer
 from parity.io.vision import vision_specs
 
 INDEX_FILE = "model.safetensors.index.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = COMPUTE_DTYPES  # a checkpoint's torch_dtype is its compute dtype
 
 
 class CheckpointError(ValueError):
@@ -31,8 +33,9 @@ class CheckpointError(ValueError):
 
 
 def all_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-    """Every tensor of the checkpoint: text model, then vision tower and projector (K3 only)."""
-    specs = text_specs(cfg.text)
+    """Every tensor of the checkpoint as stored: text model (`stored_specs`: MXFP4 experts packed), then vision tower
+    and projector (K3 only)."""
+    specs = stored_specs(cfg.text)
     if cfg.vision is not None:
         specs.update(vision_specs(cfg.vision, cfg.text.hidden_size))
     return specs
@@ -63,16 +66,25 @@ def _init_tensor(spec: WeightSpec, gen: torch.Generator) -> torch.Tensor:
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Seeded random weights for every tensor of `all_specs(cfg)`; fp32 specs stay fp32, the rest in `dtype`.
+    """Seeded random weights for every tensor of `all_specs(cfg)`; fp32 specs stay fp32, the rest in `dtype`, MXFP4
+    experts quantised from their fp32 draw (`parity.quant.mxfp4.quantize`, stored packed).
 
     Invariant: the same (config, seed, dtype) gives the same bits, independent of tensor order elsewhere,
-    because each tensor draws from its own generator seeded by (seed, name).
+    because each tensor draws from its own generator seeded by (seed, name) (the logical name for a packed one).
     """
+    logical = text_specs(cfg.text)
+    if cfg.vision is not None:
+        logical.update(vision_specs(cfg.vision, cfg.text.hidden_size))
     out: dict[str, torch.Tensor] = {}
-    for name, spec in all_specs(cfg).items():
+    for name, spec in logical.items():
         gen = torch.Generator().manual_seed(_name_seed(seed, name))
         t = _init_tensor(spec, gen)
-        out[name] = t if spec.fp32 else t.to(dtype)
+        if is_quantized(cfg.text, name):
+            q = mxfp4.quantize(t, name)
+            packed, scale = packed_names(name)
+            out[packed], out[scale] = q.packed, q.scale
+        else:
+            out[name] = t if spec.fp32 else t.to(dtype)
     return out
 
 
@@ -93,9 +105,11 @@ def save_checkpoint(
     """Write config, generation config, tokenizer and sharded safetensors with an index.
 
     Writes into a temporary sibling directory and renames it into place, so a failure never
-    leaves a half-written checkpoint at `out`. Refuses to overwrite a non-empty directory.
+    leaves a half-written checkpoint at `out`. Refuses to overwrite a non-empty directory. MXFP4 weights given
+    unpacked (a trainer's export) are quantised first (`parity.weights.pack_quantized`).
     """
     out = Path(out)
+    weights = pack_quantized(cfg.text, weights)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new --out directory")
     with atomic_dir(out) as tmp:
@@ -236,12 +250,14 @@ def _read_shard(path: Path, fname: str, index: dict[str, str] | None) -> list[tu
         raise CheckpointError(f"{file}: not a readable safetensors file, truncated or corrupt ({e})") from None
 
 
-def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: str = "bfloat16",
+def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: str | None = None,
                     progress: Callable[[str], None] | None = None) -> Path:
-    """`zerokl init-checkpoint`: a seeded random-weight checkpoint in the official format."""
-    if dtype not in DTYPES:
+    """`zerokl init-checkpoint`: a seeded random-weight checkpoint in the official format, stored (and so
+    computed) in `dtype`, by default the config's `torch_dtype`."""
+    if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     cfg = load_model_config(config_path)
+    dtype = dtype or cfg.text.torch_dtype
     raw = dict(cfg.raw)
     raw["torch_dtype"] = dtype
     cfg = ModelConfig(cfg.model_type, cfg.text, cfg.vision, raw)

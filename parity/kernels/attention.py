@@ -1,4 +1,5 @@
-"""Causal softmax attention (the MLA core), over contiguous or paged KV, fp32.
+"""Causal softmax attention (the MLA core), over contiguous or paged KV: fp32 scores, softmax and value
+sums (bf16 inputs are upcast, exactly); the output is rounded to q's dtype.
 
 Invariant form: queries are cut into tiles of `Q_TILE` rows and keys into tiles of `KV_TILE` positions
 anchored at position 0; every score and value GEMM has one fixed shape. Each query walks the key tiles
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parity.kernels.primitives import tree_sum
+from parity.kernels.primitives import tree_sum, wide
 
 Q_TILE = 16
 KV_TILE = 64
@@ -33,7 +34,9 @@ def attention_invariant(
 ) -> torch.Tensor:
     """q: [B, Tq, H, D], k: [B, S, H, D], v: [B, S, H, Dv] fp32; q_pos: [B, Tq] absolute positions
     (key s is visible to a query at position p iff s <= p and s < kv_len[b]); kv_len: [B].
-    Returns o: [B, Tq, H, Dv]. Padded query rows must carry a position >= 0."""
+    Returns o: [B, Tq, H, Dv] in q's dtype. Padded query rows must carry a position >= 0."""
+    out_dtype = q.dtype
+    q, k, v = wide(q), wide(k), wide(v)
     b, tq, h, d = q.shape
     dv = v.shape[-1]
     qt = _pad_to(q, 1, Q_TILE).permute(0, 2, 1, 3)  # [B, H, Tq', D]
@@ -63,7 +66,7 @@ def attention_invariant(
         acc = acc * alpha + torch.bmm(p, vt)
         m = m_new
     o = acc / l
-    return o.view(b, h, nq * Q_TILE, dv)[:, :, :tq].permute(0, 2, 1, 3)
+    return o.view(b, h, nq * Q_TILE, dv)[:, :, :tq].permute(0, 2, 1, 3).to(out_dtype)
 
 
 def attention_fast(
@@ -74,7 +77,8 @@ def attention_fast(
     key_pos = torch.arange(s_len).view(1, 1, s_len)
     mask = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))  # [B, Tq, S]
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1), scale=scale
+        q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2), attn_mask=mask.unsqueeze(1),
+        scale=scale,
     )
     return o.transpose(1, 2)
 

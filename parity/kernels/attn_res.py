@@ -1,4 +1,5 @@
-"""Attention Residuals mixing: a softmax-weighted mix of residual-stream candidates, fp32.
+"""Attention Residuals mixing: a softmax-weighted mix of residual-stream candidates, all in fp32 (bf16
+candidates are upcast), the mix rounded once to the candidates' dtype.
 
 For candidates c_0..c_{n-1} (block snapshots and the current partial sum) of one token:
     s_i = w_proj . rmsnorm(c_i; w_norm, eps)     a = softmax(s)     out = sum_i a_i c_i
@@ -10,21 +11,25 @@ from __future__ import annotations
 import torch
 
 from parity.kernels.norms import rmsnorm_fast, rmsnorm_invariant
-from parity.kernels.primitives import tree_sum
+from parity.kernels.primitives import tree_sum, wide
 
 
 def attn_res_mix_invariant(cands: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """cands: [N, n, D] fp32, norm_w: [D], proj_w: [D] -> [N, D]."""
-    scores = tree_sum(rmsnorm_invariant(cands, norm_w, eps) * proj_w)  # [N, n]
+    """cands: [N, n, D], norm_w: [D], proj_w: [D] -> [N, D] in cands' dtype."""
+    out_dtype = cands.dtype
+    cands = wide(cands)
+    scores = tree_sum(rmsnorm_invariant(cands, wide(norm_w), eps) * wide(proj_w))  # [N, n]
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     a = e / tree_sum(e).unsqueeze(-1)
     out = a[:, 0:1] * cands[:, 0]
     for i in range(1, cands.shape[1]):
         out = out + a[:, i : i + 1] * cands[:, i]
-    return out
+    return out.to(out_dtype)
 
 
 def attn_res_mix_fast(cands: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
-    scores = rmsnorm_fast(cands, norm_w, eps) @ proj_w  # [N, n]
+    out_dtype = cands.dtype
+    cands = wide(cands)
+    scores = rmsnorm_fast(cands, wide(norm_w), eps) @ wide(proj_w)  # [N, n]
     a = torch.softmax(scores, dim=-1)
-    return torch.einsum("nc,ncd->nd", a, cands)
+    return torch.einsum("nc,ncd->nd", a, cands).to(out_dtype)

@@ -1,4 +1,5 @@
-"""Kimi Delta Attention core: the gated delta rule with per-key-channel decay, fp32.
+"""Kimi Delta Attention core: the gated delta rule with per-key-channel decay, in fp32 (state included);
+the output is rounded to v's dtype (bf16 or fp32), as vLLM's KDA kernels store it.
 
 Per head, state S: [K, V]. For each token t:
     S <- S * exp(g_t)[:, None]                      (g_t: [K] log-decay, <= 0)
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from parity.kernels.primitives import sigmoid, softplus, tree_sum
+from parity.kernels.primitives import sigmoid, softplus, tree_sum, wide
 
 
 def kda_invariant(
@@ -29,9 +30,11 @@ def kda_invariant(
     state: torch.Tensor,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, g: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H], state: [B, H, K, V] (all fp32);
-    valid: [B, T] bool (False = padding: the state is left unchanged and the output is zero).
-    Returns (o [B, T, H, V], final state [B, H, K, V])."""
+    """q, k, g: [B, T, H, K], v: [B, T, H, V], beta: [B, T, H], state: [B, H, K, V] fp32 (q, k, v, beta may
+    be bf16: upcast); valid: [B, T] bool (False = padding: the state is left unchanged and the output is zero).
+    Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
     outs = []
     s = state
     for t in range(q.shape[1]):
@@ -48,8 +51,8 @@ def kda_invariant(
         s = s_new
         outs.append(o)
     if not outs:
-        return v.new_zeros(v.shape), s
-    return torch.stack(outs, dim=1), s
+        return v.new_zeros(v.shape, dtype=out_dtype), s
+    return torch.stack(outs, dim=1).to(out_dtype), s
 
 
 def kda_fast(
@@ -63,6 +66,8 @@ def kda_fast(
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same recurrence with `einsum` contractions (batched GEMV; bits depend on the batch)."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
     outs = []
     s = state
     for t in range(q.shape[1]):
@@ -78,28 +83,31 @@ def kda_fast(
         s = s_new
         outs.append(o)
     if not outs:
-        return v.new_zeros(v.shape), s
-    return torch.stack(outs, dim=1), s
+        return v.new_zeros(v.shape, dtype=out_dtype), s
+    return torch.stack(outs, dim=1).to(out_dtype), s
 
 
 def kda_gate_invariant(
     f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
 ) -> torch.Tensor:
-    """f: [..., H, K] = f_b(f_a(x)), a_log: [H], dt_bias: [H, K] -> log-decay g: [..., H, K] (fp32).
+    """f: [..., H, K] = f_b(f_a(x)) (fp32 or bf16), a_log: [H], dt_bias: [H, K] fp32 -> log-decay g: [..., H, K],
+    always fp32.
 
     g = -exp(A_log) * softplus(f + dt_bias), or with a lower bound lb:
     g = lb * sigmoid(exp(A_log) * (f + dt_bias)), so g lies in (lb, 0).
     """
-    a = torch.exp(a_log).unsqueeze(-1)
+    a = torch.exp(wide(a_log)).unsqueeze(-1)
+    f = wide(f) + wide(dt_bias)
     if lower_bound is None:
-        return -a * softplus(f + dt_bias)
-    return lower_bound * sigmoid(a * (f + dt_bias))
+        return -a * softplus(f)
+    return lower_bound * sigmoid(a * f)
 
 
 def kda_gate_fast(
     f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
 ) -> torch.Tensor:
-    a = torch.exp(a_log).unsqueeze(-1)
+    a = torch.exp(wide(a_log)).unsqueeze(-1)
+    f = wide(f) + wide(dt_bias)
     if lower_bound is None:
-        return -a * torch.nn.functional.softplus(f + dt_bias)
-    return lower_bound * torch.sigmoid(a * (f + dt_bias))
+        return -a * torch.nn.functional.softplus(f)
+    return lower_bound * torch.sigmoid(a * f)

@@ -1,4 +1,5 @@
-"""MoE routing, expert compute and combine, fp32.
+"""MoE routing, expert compute and combine. Router scores, weights and the combine are fp32; experts run
+in the activations' dtype (fp32 or bf16) through the linear kernel.
 
 Router (noaux_tc, one group): scores = sigmoid(x W_gate^T) (or softmax); experts are chosen by
 scores + e_score_correction_bias with a fixed tie-break (higher biased score first, then lower expert
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from parity.kernels.primitives import sigmoid, tree_sum
+from parity.kernels.primitives import sigmoid, tree_sum, wide
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -60,9 +61,10 @@ def experts_combine(
     linear: Linear,
     act: Act,
 ) -> torch.Tensor:
-    """x: [N, L] fp32, ids/weights: [N, k]; expert e: w1[e], w3[e]: [I, L], w2[e]: [L, I] -> [N, L].
+    """x: [N, L], ids/weights: [N, k] (weights fp32); expert e: w1[e], w3[e]: [I, L], w2[e]: [L, I] -> [N, L] fp32.
 
-    out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n) with e = ids[n, j], j = 0..k-1 in order.
+    out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n) with e = ids[n, j], j = 0..k-1 in order; each
+    expert output is in x's dtype, the weighted sum in fp32 (the caller rounds it).
     """
     n, k = ids.shape
     y = x.new_zeros(n, k, x.shape[-1])
@@ -72,6 +74,7 @@ def experts_combine(
         rows = x[slots // k]
         h = linear(act(linear(rows, w1[e]), linear(rows, w3[e])), w2[e])
         y = y.index_put((slots // k, slots % k), h)
+    weights, y = wide(weights), wide(y)
     out = weights[:, 0:1] * y[:, 0]
     for j in range(1, k):
         out = out + weights[:, j : j + 1] * y[:, j]

@@ -1,38 +1,55 @@
-"""RMSNorm, gated RMSNorm (sigmoid gate) and L2 normalisation over the last dim, fp32."""
+"""RMSNorm, gated RMSNorm (sigmoid gate) and L2 normalisation over the last dim.
+
+Inputs fp32 or bf16; statistics and products in fp32, output in the input's dtype. The cast points are
+vLLM's: RMSNorm rounds the normalised value to the input dtype before the weight multiply (vLLM's
+`RMSNorm`); the gated norm (fla's `FusedRMSNormGated`) and the L2 norm stay fp32 to the end.
+"""
 
 from __future__ import annotations
 
 import torch
-from parity.kernels.primitives import sigmoid, tree_sum
+from parity.kernels.primitives import sigmoid, tree_sum, wide
 
 L2_EPS = 1e-6
 
 
+def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) in fp32; the mean is a `tree_sum`, so each row is batch-independent."""
+    xf = wide(x)
+    ms = tree_sum(xf * xf) / x.shape[-1]
+    return xf * torch.rsqrt(ms + eps).unsqueeze(-1)
+
+
 def rmsnorm_invariant(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w; the mean is a `tree_sum` so each row is batch-independent."""
-    ms = tree_sum(x * x) / x.shape[-1]
-    y = x * torch.rsqrt(ms + eps).unsqueeze(-1)
-    return y if w is None else y * w
+    """round(x * rsqrt(mean(x^2) + eps)) * w, in x's dtype: the product of the two bf16 values is exact in fp32 and
+    rounded once (a bf16 multiply's bits), and the weight's gradient stays fp32."""
+    y = _normalised(x, eps).to(x.dtype)
+    return y if w is None else (wide(y) * wide(w)).to(x.dtype)
 
 
 def rmsnorm_fast(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if w is None else y * w
+    xf = wide(x)
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if w is None else (wide(y) * wide(w)).to(x.dtype)
 
 
 def gated_rmsnorm_invariant(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """rmsnorm(x) * w * sigmoid(gate) (KDA output norm)."""
-    return rmsnorm_invariant(x, w, eps) * sigmoid(gate)
+    """rmsnorm(x) * w * sigmoid(gate) in fp32, rounded once to x's dtype (KDA output norm)."""
+    return (_normalised(x, eps) * wide(w) * sigmoid(wide(gate))).to(x.dtype)
 
 
 def gated_rmsnorm_fast(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return rmsnorm_fast(x, w, eps) * torch.sigmoid(gate)
+    xf = wide(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * wide(w)
+    return (y * torch.sigmoid(wide(gate))).to(x.dtype)
 
 
 def l2norm_invariant(x: torch.Tensor) -> torch.Tensor:
-    """x * rsqrt(sum(x^2) + 1e-6) over the last dim."""
-    return x * torch.rsqrt(tree_sum(x * x) + L2_EPS).unsqueeze(-1)
+    """x * rsqrt(sum(x^2) + 1e-6) over the last dim, in fp32, rounded to x's dtype."""
+    xf = wide(x)
+    return (xf * torch.rsqrt(tree_sum(xf * xf) + L2_EPS).unsqueeze(-1)).to(x.dtype)
 
 
 def l2norm_fast(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+    xf = wide(x)
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2_EPS)).to(x.dtype)

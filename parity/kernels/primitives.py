@@ -46,3 +46,8 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in the dtype the arithmetic runs in: bf16 (and fp16) upcast to fp32, exactly; fp32 and float64 as they are."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x

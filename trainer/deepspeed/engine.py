@@ -37,6 +37,7 @@ from trainer.deepspeed.lora import attach_lora
 from trainer.deepspeed.module import DeepSpeedK3Model
 from trainer.deepspeed.trainer import DeepSpeedTrainer
 from parity.io.checkpoint import load_checkpoint
+from parity.weights import master_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTENSIONS_DIR = ROOT / ".cache" / "torch_extensions"
@@ -101,7 +102,7 @@ def build_deepspeed_trainer(checkpoint: str | Path, lr: float, zero_stage: int =
 
     model_cfg, weights = load_checkpoint(checkpoint)
     module = DeepSpeedK3Model(model_cfg.text, kernels)
-    storage_dtypes, passthrough = load_official(module, weights)
+    storage_dtypes, passthrough = load_official(module, master_weights(model_cfg.text, weights))
     del weights
     peft = None if lora is None else attach_lora(module, lora, seed)
     if zero_stage == 3:

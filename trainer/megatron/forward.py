@@ -229,9 +229,9 @@ class ParallelK3Forward(K3Forward):
         owned = range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
         products = experts_combine(
             rows, row_ids, row_w,
-            [self.w.get(f"{p}.experts.{e}.w1.weight") for e in owned],
-            [self.w.get(f"{p}.experts.{e}.w3.weight") for e in owned],
-            [self.w.get(f"{p}.experts.{e}.w2.weight") for e in owned],
+            [self.weight(f"{p}.experts.{e}.w1.weight") for e in owned],
+            [self.weight(f"{p}.experts.{e}.w3.weight") for e in owned],
+            [self.weight(f"{p}.experts.{e}.w2.weight") for e in owned],
             self.k.linear, self._act,
         )  # [M, L]: row_w * expert(row), the product experts_combine forms for that slot
         back = exchange(products, send_sizes, recv_sizes)  # [N * k, L] in `order`

@@ -27,6 +27,7 @@ from lora.targets import tensor_name
 from trainer.megatron.modules import MegatronK3Model, local_experts
 from trainer.megatron.sharding import Split, lora_splits, shard, split_of, split_roles
 from parity.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from parity.weights import master_weights
 
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
@@ -63,8 +64,8 @@ def load_official(model: MegatronK3Model, weights: dict[str, torch.Tensor]) -> l
 
 def load_official_dir(model: MegatronK3Model, path: str | Path) -> list[str]:
     """`load_official` from a checkpoint directory (`parity.io.checkpoint.load_checkpoint` validates it)."""
-    _, weights = load_checkpoint(path)
-    return load_official(model, weights)
+    cfg, weights = load_checkpoint(path)
+    return load_official(model, master_weights(cfg.text, weights))
 
 
 def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -22,6 +22,7 @@ from trainer.megatron.config import k3_transformer_config
 from trainer.megatron.modules import MegatronK3Model
 from trainer.megatron.parallel import ParallelContext
 from parity.io.checkpoint import load_checkpoint
+from parity.weights import master_weights
 
 
 @dataclass
@@ -50,7 +51,8 @@ def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_
     """Load `checkpoint` (and `adapter`: LoRA training, base frozen), wrap the model in Megatron's DDP (fp32
     grads) and build Megatron's Adam over the trainable parameters."""
     model_cfg, weights = load_checkpoint(checkpoint)
-    return wrap(build_model(model_cfg, weights, par, kernels, adapter=adapter), lr, clip_grad, weight_decay)
+    masters = master_weights(model_cfg.text, weights)  # MXFP4 experts dequantised to fp32 masters (exact)
+    return wrap(build_model(model_cfg, masters, par, kernels, adapter=adapter), lr, clip_grad, weight_decay)
 
 
 def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Trainer:

@@ -40,6 +40,8 @@ def _sync(m: dict[str, float]) -> str:
     if "sync_seconds" not in m:
         return ""
     text = f"sync {m['sync_seconds'] * 1e3:.0f} ms {m['sync_bytes'] / 1e6:.2f} MB"
+    if "sync_bytes_bf16" in m:
+        text += f" (bf16 {m['sync_bytes_bf16'] / 1e6:.2f} MB)"
     if "full_sync_seconds" in m:
         text += f" (full weights {m['full_sync_seconds'] * 1e3:.0f} ms {m['full_sync_bytes'] / 1e6:.1f} MB)"
     return text + " "

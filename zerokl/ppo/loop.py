@@ -44,7 +44,7 @@ from parity.config import ConfigError
 from parity.diagnose import diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
-from parity.weights import text_specs
+from parity.weights import bf16_bytes, serving_weights
 from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import grpo_advantages, ppo_loss
 from zerokl.ppo.config import PPOConfig
@@ -165,10 +165,10 @@ class PPORun:
                  f"sync {self.full_sync.nbytes / 1e6:.1f} MB in {self.full_sync.seconds:.2f} s")
 
     def _export_base(self) -> dict[str, torch.Tensor]:
-        """The trainer's text weights as it computes with them (fp32, official names): what the engine runs.
-        Collective; {} off rank 0."""
-        text = text_specs(self.backend.model_cfg.text)
-        return {n: t for n, t in self.backend.export_official().items() if n in text}
+        """The trainer's text weights as the engine holds them (`parity.weights.serving_weights` of the fp32 masters:
+        the operands the trainer's forward computes with), official names. Collective; {} off rank 0."""
+        exported = self.backend.export_official()
+        return serving_weights(self.backend.model_cfg.text, exported) if exported else {}
 
     def _export(self) -> WeightBundle:
         """What a sync sends: the full text weights, or with LoRA only the adapter's PEFT tensors."""
@@ -271,6 +271,8 @@ class PPORun:
         metrics.update(loss=loss, grad_norm=grad_norm)
         if self.last_sync is not None:  # rank 0
             metrics.update(sync_seconds=self.last_sync.seconds, sync_bytes=self.last_sync.nbytes)
+            if not self.cfg.lora and self.backend.model_cfg.text.expert_format is not None:
+                metrics.update(sync_bytes_bf16=bf16_bytes(self.backend.model_cfg.text))  # the same weights unpacked
         if self.full_sync is not None:
             metrics.update(full_sync_seconds=self.full_sync.seconds, full_sync_bytes=self.full_sync.nbytes)
         diagnosis = None if report["parity"].all_equal else self._diagnose(report, samples)
@@ -319,8 +321,10 @@ class PPORun:
             weights.lora = adapter.lora()
         fwd = K3Forward(weights, get_kernels(self.cfg.kernels))
         div = diagnose((fwd, "decode"), (fwd, "one_pass"), s.prompt_ids + s.completion_ids, prefill=len(s.prompt_ids))
-        where = div.describe() if div else "no block differs between schedules on the trainer's weights: " \
-            "the engine's weights differ from the trainer's (check the last weight sync)"
+        where = div.describe() if div else (
+            "replayed alone, the sequence's schedules agree at every block on the trainer's weights: the engine's bits "
+            f"depend on something outside it, the other sequences of its batch (kernels {self.cfg.kernels!r} are "
+            "batch-invariant only when 'invariant') or weights that differ from the trainer's (check the last sync)")
         text = (f"sequence {first.id}: first log-prob mismatch at completion token {first.first_mismatch} "
                 f"(max |d| {first.max_abs_diff:.3e}); {where}")
         (self.out / "diagnosis.txt").write_text(text + "\n")

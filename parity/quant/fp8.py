@@ -1,0 +1,44 @@
+"""FP8 e4m3 MLA latents, as vLLM's K3 caches them with `kv_cache_dtype="fp8"` (576 bytes per token at K3 size).
+
+Per-tensor scale: vLLM's K3 MLA layer keeps its `k_scale` at 1.0 (its MXFP4 quant config gives the attention layers
+no KV-cache scales to load), so a latent is stored as e4m3(x / 1.0): round to nearest even, saturating at +-448
+(vLLM's `scaled_convert` with `__NV_SATFINITE`; on CPU its `QuantFP8.forward_native`). Dequantisation is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.kernels.primitives import wide
+
+E4M3_MAX = 448.0
+LATENT_SCALE = 1.0  # vLLM's K3 k_scale
+STORAGE_DTYPE = torch.float8_e4m3fn
+
+
+def quantize(x: torch.Tensor) -> torch.Tensor:
+    """x (bf16 / fp32) -> e4m3 codes of x / LATENT_SCALE, saturating, round to nearest even."""
+    return (wide(x) / LATENT_SCALE).clamp(-E4M3_MAX, E4M3_MAX).to(STORAGE_DTYPE)
+
+
+def dequantize(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 codes -> values * LATENT_SCALE in `dtype` (exact in bf16 and fp32)."""
+    return (q.float() * LATENT_SCALE).to(dtype)
+
+
+class _RoundTrip(torch.autograd.Function):
+    """Forward: the value the FP8 cache gives back for x; backward: straight through."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return dequantize(quantize(x), x.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x as an FP8 latent cache stores and returns it, in x's dtype; differentiable (straight-through), so a trainer
+    attends over the same quantised latents as the rollout and still back-propagates into the latent projection."""
+    return _RoundTrip.apply(x)

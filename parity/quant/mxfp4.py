@@ -1,0 +1,119 @@
+"""MXFP4 (OCP microscaling FP4) weights as K3 checkpoints store their routed experts.
+
+Format (compressed-tensors `mxfp4-pack-quantized`, as vLLM's K3 loader reads it): a weight of logical shape
+[N, K] is `weight_packed` uint8 [N, K/2] (E2M1 codes, element 2j in the low nibble, 2j+1 in the high one; packing
+and unpacking are compressed-tensors' `pack_fp4_to_uint8` / `unpack_fp4_from_uint8`) and `weight_scale` uint8
+[N, K/32] (E8M0: scale = 2^(byte - 127), one per 32 consecutive values along K).
+
+Quantiser (one function for the checkpoint writer, the weight sync and the trainer's fake quantisation, so all three
+give the same bytes): per group of 32, amax is rounded at E2M1 precision (its fp32 bits + 0x200000, mantissa
+dropped) and the scale exponent is floor(log2(that)) - 2, clamped to [-127, 127] (the "even" rule of vLLM's
+`_compute_quant_and_scale` and compressed-tensors' `round_to_power_2`); each value is divided by the scale (exact)
+and rounded to the nearest E2M1 value, ties to even, saturating at +-6, keeping its sign (-0 for small negatives).
+
+Dequantisation is exact in bf16 and fp32 (an E2M1 value times a power of two). Quantising dequantised values gives
+the same bytes back (a quantised group's largest code is 4 or 6, so its scale is found again): a checkpoint loaded
+into fp32 masters and re-quantised by the sync is the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32
+E2M1_MAX = 6.0
+MAX_EXPONENT = 125  # 6 * 2^125 is the largest dequantised value that fp32 and bf16 hold; a larger scale overflows
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# Rounding boundaries between consecutive E2M1 magnitudes and whether a value exactly on one rounds up (to the
+# even code): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
+_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+class QuantError(ValueError):
+    """A tensor that cannot be quantised (non-finite values, K not a multiple of 32); the message says which."""
+
+
+@dataclass(frozen=True)
+class MXFP4Weight:
+    """A weight held packed: `packed` uint8 [N, K/2], `scale` uint8 [N, K/32]; logical shape [N, K]."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize(self.packed, self.scale, dtype)
+
+
+def scale_exponents(w: torch.Tensor) -> torch.Tensor:
+    """w: [N, K] -> each group's scale exponent e (scale 2^e): int32 [N, K/32] (the even rule, module docstring)."""
+    n, k = w.shape
+    amax = w.float().reshape(n, k // GROUP, GROUP).abs().amax(-1)
+    field = ((amax.view(torch.int32) + 0x200000) >> 23) & 0xFF  # exponent field of amax rounded at E2M1 precision
+    return (field - 129).clamp(-127, 127)
+
+
+def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 value of fp32 `v`, ties to even, saturating at +-6, sign kept (-0.0 for small negatives)."""
+    a = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.long)
+    for bound, tie_up in _BOUNDS:
+        code += (a >= bound) if tie_up else (a > bound)
+    return torch.copysign(E2M1_VALUES.to(v.device)[code], v)
+
+
+def check_quantisable(w: torch.Tensor, name: str = "weight") -> None:
+    """Refuse what MXFP4 cannot hold: a non-2-D tensor, K not a multiple of 32, NaN or inf, or a group so large that
+    its dequantised values would overflow (|w| above about 2.6e38)."""
+    if w.dim() != 2 or w.shape[1] % GROUP:
+        raise QuantError(f"{name}: MXFP4 needs a 2-D weight whose input dim is a multiple of {GROUP}, got {tuple(w.shape)}")
+    if not bool(torch.isfinite(w).all()):
+        raise QuantError(f"{name}: holds NaN or inf values; MXFP4 cannot represent them (refused before any sync)")
+    if bool((scale_exponents(w) > MAX_EXPONENT).any()):
+        raise QuantError(f"{name}: values above {E2M1_MAX * 2.0 ** MAX_EXPONENT:.3g} would dequantise to inf; refused")
+
+
+def quantize(w: torch.Tensor, name: str = "weight") -> MXFP4Weight:
+    """w: [N, K] fp32 or bf16 -> its MXFP4 form (the module docstring's quantiser)."""
+    check_quantisable(w, name)
+    n, k = w.shape
+    e = scale_exponents(w)
+    groups = w.detach().float().reshape(n, k // GROUP, GROUP) * torch.exp2(-e.float()).unsqueeze(-1)  # exact
+    values = _round_e2m1(groups).reshape(n, k)
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # imports transformers: only when used
+
+    return MXFP4Weight(pack_fp4_to_uint8(values), (e + 127).to(torch.uint8))
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """packed uint8 [N, K/2], scale uint8 [N, K/32] -> [N, K] in `dtype` (exact)."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    values = unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32).reshape(n, k // GROUP, GROUP)
+    return (values * torch.exp2(scale.float() - 127).unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+class _FakeQuant(torch.autograd.Function):
+    """Forward: dequantize(quantize(w)) in w's dtype (exact); backward: the gradient passes straight through to w,
+    unrounded (the quantisation-aware training rule)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, w: torch.Tensor, name: str) -> torch.Tensor:
+        return quantize(w, name).dequantize(w.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def fake_quantize(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """The values the rollout engine computes with after a sync of master weight `w` (in w's dtype; the kernels
+    upcast bf16 operands, so these give the packed weights' bits), differentiable (straight-through) so the
+    trainer's forward is quantisation-aware."""
+    return _FakeQuant.apply(w, name)
