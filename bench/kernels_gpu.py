@@ -439,8 +439,37 @@ def moe_cases(tk) -> list[Case]:
     return out
 
 
+MXFP4_SHAPES = {  # (N, K) of one routed expert's GEMMs
+    "k3-small expert w1/w3 (64x128)": (64, 128),
+    "k3-full expert w1/w3 (3072x3584)": (3072, 3584),
+    "k3-full expert w2 (3584x3072)": (3584, 3072),
+}
+
+
+def mxfp4_cases(tk) -> list[Case]:
+    """The MXFP4 expert GEMM (packed weights dequantised in the kernel) against the invariant bf16 GEMM on the
+    dequantised weight (the same MMAs: the bits it must equal) and against cuBLAS bf16."""
+    from parity.quant import mxfp4
+
+    out = []
+    for name, (n, k) in MXFP4_SHAPES.items():
+        for m in TOKENS:
+            nb = 2 * (m * k + m * n) + n * k // 2 + n * k // 32
+            s = _sets(nb)
+            xs = [rnd(m, k) for _ in range(s)]
+            qs = [mxfp4.quantize(rnd(n, k, dtype=torch.float32, scale=k**-0.5)) for _ in range(s)]
+            ds = [q.dequantize(BF16) for q in qs]
+            out.append(Case("linear mxfp4", f"{name} M={m}", lambda i, xs=xs, qs=qs: tk.TRITON.linear(xs[i], qs[i]),
+                            lambda i, xs=xs, ds=ds: tk.TRITON.linear(xs[i], ds[i]), "invariant bf16",
+                            2.0 * m * n * k, nb, s))
+            out.append(Case("linear mxfp4", f"{name} M={m}", lambda i, xs=xs, qs=qs: tk.TRITON.linear(xs[i], qs[i]),
+                            lambda i, xs=xs, ds=ds: torch.matmul(xs[i], ds[i].t()), "cuBLAS bf16",
+                            2.0 * m * n * k, nb, s))
+    return out
+
+
 ALL = {"linear": linear_cases, "kda": kda_cases, "attention": attention_cases, "rowwise": rowwise_cases,
-       "conv": conv_cases, "misc": misc_cases, "moe": moe_cases}
+       "conv": conv_cases, "misc": misc_cases, "moe": moe_cases, "mxfp4": mxfp4_cases}
 
 
 # --- GEMM config sweep ----------------------------------------------------------------------------

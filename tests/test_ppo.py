@@ -5,7 +5,8 @@ experts with a quantisation-aware trainer, FP8 latents) pins: KL exactly 0 and
 every log-prob bitwise equal at every step, policy versions in lock-step, a rising reward. A run of the command in
 its own process is killed after its step-2 checkpoint and resumed (`--resume`): its metrics and final weights equal
 the reference's bit for bit. A run resumed from the reference's step-2 checkpoint gets a tensor corrupted in flight:
-the sync is rejected, the engine keeps its version, and the next step equals the reference's step 2. With the fast
+the sync is rejected, the engine keeps its version, and the next step equals the reference's step 2 (so is a NaN in
+an MXFP4 expert's master, refused before anything is sent). With the fast
 kernels (fp32 k3-tiny, where a replayed schedule differs at a named block) the first step reports non-zero KL and a
 diagnosis naming the block, and the command exits 1. The resumed and fast-kernel
 commands run in this process (`zerokl.cli.main`; tests/test_cli.py runs the console script itself).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from helpers import PPO_REFERENCE_CONFIG, PPOReference, ppo_config_file
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
+EXPERT = "language_model.layers.1.block_sparse_moe.experts.3.w1.weight"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -109,6 +112,16 @@ def test_corrupted_sync_leaves_engine_on_old_version(ppo_reference: PPOReference
                 run._sync_new_version()
         finally:
             run.sync.transport = transport
+        master = run.trainer.module.official_parameters()[EXPERT]  # a NaN in an MXFP4 expert's fp32 master
+        saved = master.detach().clone()
+        with torch.no_grad():
+            master.view(-1)[5] = float("nan")
+        try:
+            with pytest.raises(SyncFailed, match=rf"{re.escape(EXPERT)}: holds NaN or inf.*stays on version"):
+                run._sync_new_version()
+        finally:
+            with torch.no_grad():
+                master.copy_(saved)
         assert run.engine.policy_version == before == run.version == 2
         result = run.run_step()  # the loop goes on from the old version with parity intact
     finally:

@@ -18,7 +18,11 @@ into fp32 masters and re-quantised by the sync is the checkpoint.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -29,6 +33,22 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # Rounding boundaries between consecutive E2M1 magnitudes and whether a value exactly on one rounds up (to the
 # even code): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
 _BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+@functools.cache
+def _fp4_helpers() -> ModuleType:
+    """compressed-tensors' E2M1 pack / unpack helpers (`compressors/nvfp4/helpers.py`, which imports torch only),
+    loaded from the installed package without running the package's `__init__`, which imports transformers (10 s,
+    and absent where only the kernels run)."""
+    spec = importlib.util.find_spec("compressed_tensors")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("MXFP4 needs compressed-tensors (pip install compressed-tensors==0.17.0)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "compressors" / "nvfp4" / "helpers.py"
+    module_spec = importlib.util.spec_from_file_location("zerokl_compressed_tensors_fp4_helpers", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 class QuantError(ValueError):
@@ -61,7 +81,7 @@ def scale_exponents(w: torch.Tensor) -> torch.Tensor:
 def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value of fp32 `v`, ties to even, saturating at +-6, sign kept (-0.0 for small negatives)."""
     a = v.abs()
-    code = torch.zeros(v.shape, dtype=torch.long)
+    code = torch.zeros(v.shape, dtype=torch.long, device=v.device)
     for bound, tie_up in _BOUNDS:
         code += (a >= bound) if tie_up else (a > bound)
     return torch.copysign(E2M1_VALUES.to(v.device)[code], v)
@@ -85,17 +105,13 @@ def quantize(w: torch.Tensor, name: str = "weight") -> MXFP4Weight:
     e = scale_exponents(w)
     groups = w.detach().float().reshape(n, k // GROUP, GROUP) * torch.exp2(-e.float()).unsqueeze(-1)  # exact
     values = _round_e2m1(groups).reshape(n, k)
-    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8  # imports transformers: only when used
-
-    return MXFP4Weight(pack_fp4_to_uint8(values), (e + 127).to(torch.uint8))
+    return MXFP4Weight(_fp4_helpers().pack_fp4_to_uint8(values), (e + 127).to(torch.uint8))
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """packed uint8 [N, K/2], scale uint8 [N, K/32] -> [N, K] in `dtype` (exact)."""
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
-
     n, k = packed.shape[0], 2 * packed.shape[1]
-    values = unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32).reshape(n, k // GROUP, GROUP)
+    values = _fp4_helpers().unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32).reshape(n, k // GROUP, GROUP)
     return (values * torch.exp2(scale.float() - 127).unsqueeze(-1)).reshape(n, k).to(dtype)
 
 

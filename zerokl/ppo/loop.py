@@ -49,6 +49,7 @@ from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import grpo_advantages, ppo_loss
 from zerokl.ppo.config import PPOConfig
 from parity.io.atomic import commit_partial, partial_path
+from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, WeightBundle
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import make_task
@@ -280,11 +281,16 @@ class PPORun:
         return StepResult(metrics, diagnosis)
 
     def _sync_new_version(self) -> None:
-        """Push the updated weights as the next version; on rejection raise SyncFailed (engine unchanged).
-        Collective: every rank exports, rank 0 syncs and tells the others the outcome."""
-        bundle = self._export()
+        """Push the updated weights as the next version; on rejection, or weights that cannot take their serving form
+        (NaN or inf in an MXFP4 expert), raise SyncFailed (engine unchanged). Collective: every rank exports, rank 0
+        syncs and tells the others the outcome."""
         error = None
-        if self.rank0:
+        try:
+            bundle = self._export()
+        except QuantError as e:  # rank 0 alone quantises: the others learn it from the broadcast
+            error = (f"the trained weights cannot be synced ({e}); the rollout engine stays on version "
+                     f"{self.engine.policy_version}")
+        if self.rank0 and error is None:
             try:
                 self.sync(bundle)
             except SyncError as e:

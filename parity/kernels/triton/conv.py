@@ -45,8 +45,9 @@ def _conv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, T, D, sxb, sxt, ssb, sst, syb, syt,
 
 
 def short_conv(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [B, T, D], w: [D, W], state: [B, W-1, D] -> (y [B, T, D], new state [B, W-1, D]: the last W-1 inputs)."""
-    check_dtype(x, w)
+    """x: [B, T, D] (fp32 or bf16), w: [D, W] (any float dtype: read as fp32), state: [B, W-1, D] -> (y [B, T, D] in
+    x's dtype, new state [B, W-1, D]: the last W-1 inputs)."""
+    check_dtype(x)
     b, t, d = x.shape
     width = w.shape[1]
     state = state.to(x.dtype)

@@ -342,6 +342,16 @@ def _chunked(q, k, v, g, beta, scale: float, s0: torch.Tensor, lens: torch.Tenso
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
         state: torch.Tensor | KDAChunkState, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KDAChunkState]:
+    """`_kda`, also for v narrower than q, k (the bf16 model's cast points: fp32 L2-normalised q, k and bf16 v): v is
+    upcast exactly and the output rounded once to v's dtype, as the CPU kernel does."""
+    if v.dtype == q.dtype:
+        return _kda(q, k, v, g, beta, scale, state, valid)
+    o, st = _kda(q, k, v.to(q.dtype), g, beta, scale, state, valid)
+    return o.to(v.dtype), st
+
+
+def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+         state: torch.Tensor | KDAChunkState, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, KDAChunkState]:
     """q, k: [B, T, H, K], v: [B, T, H, V] (fp32 or bf16, one dtype), g: [B, T, H, K] log-decay, beta: [B, T, H];
     state: a `KDAChunkState`, or a [B, H, K, V] tensor taken to sit at a chunk boundary (a new sequence);
     valid: [B, T] bool (False = padding: no output (zeros), no state change).

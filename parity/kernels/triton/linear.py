@@ -22,6 +22,13 @@ added as `base + (t B^T) * scale` like the CPU kernel.
 
 Two load paths with the same contract: pointer loads (any strides, the interpreter) and Hopper tensor
 descriptors (TMA; contiguous rows, 16-byte aligned). Which one runs is part of the per-shape config.
+
+MXFP4 weights (`parity.quant.mxfp4.MXFP4Weight`: uint8 E2M1 code pairs and E8M0 scales) are read packed by the
+pointer kernel and dequantised in registers to bf16, exactly (bits built from the code and scale, subnormals
+included), then fed to the same MMA sequence as a bf16 weight of those values: the tile, K order and segments are
+the bf16 config's, so an MXFP4 GEMM has the bits of the bf16 GEMM of the dequantised weight
+(tests/test_kernels_triton.py checks `torch.equal`). Mixed operand dtypes (fp32 router activations on a bf16
+weight) upcast the bf16 operand exactly and run the fp32 GEMM, as the CPU kernel does.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import triton.language as tl
 
 from parity.kernels.linear import LoRA
 from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2
+from parity.quant.mxfp4 import GROUP, MXFP4Weight
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -144,11 +152,50 @@ def _segment_range(K, SEG, SPLIT: tl.constexpr):
     return s_lo, s_hi
 
 
+@triton.jit
+def dequant_mxfp4_tile(byte, sc, BN: tl.constexpr, BK: tl.constexpr):
+    """byte: [BN, BK/2] uint8 E2M1 code pairs (element 2j in the low nibble), sc: [BN, BK/32] uint8 E8M0 scales
+    -> [BN, BK] bf16, exactly E2M1 * 2^(sc - 127) (subnormal results included), built from bits."""
+    b = byte.to(tl.int32)
+    code = tl.reshape(tl.interleave(b & 0xF, b >> 4), (BN, BK))
+    s = tl.reshape(tl.broadcast_to(sc.to(tl.int32)[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    mag = code & 7
+    sign = (code >> 3) & 1
+    e = tl.where(mag >= 2, (mag >> 1) - 1, -1)  # exponent of the leading bit: 0.5 -> -1, 1 / 1.5 -> 0, ...
+    m = tl.where(mag >= 2, mag & 1, 0)
+    p = e + s - 127  # the value is (1 + m / 2) * 2^p
+    normal = ((p + 127) << 7) | (m << 6)
+    sub = (2 + m) << tl.maximum(p + 132, 0)  # p < -126: a bf16 subnormal, (2 + m) * 2^(p + 132) * 2^-133
+    bits = tl.where(mag == 0, 0, tl.where(p >= -126, normal, sub)) | (sign << 15)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN: tl.constexpr, BK: tl.constexpr,
+                 W_MXFP4: tl.constexpr):
+    """[BK, BN] view of W^T for columns rn and K offsets k0..k0+BK (zeros past N and K): loaded as is, or (W_MXFP4)
+    from the packed codes and scales, dequantised to bf16."""
+    if W_MXFP4:
+        rk2 = tl.arange(0, BK // 2)
+        rg = tl.arange(0, BK // 32)
+        byte = tl.load(w_ptr + rn[:, None] * swn + (k0 // 2 + rk2)[None, :],
+                       mask=(rn[:, None] < N) & ((k0 // 2 + rk2)[None, :] < K // 2), other=0)
+        sc = tl.load(ws_ptr + rn[:, None] * sws + (k0 // 32 + rg)[None, :],
+                     mask=(rn[:, None] < N) & ((k0 // 32 + rg)[None, :] < K // 32), other=127)
+        b = tl.trans(dequant_mxfp4_tile(byte, sc, BN, BK))
+    else:
+        rk = tl.arange(0, BK)
+        b = tl.load(w_ptr + rn[None, :] * swn + (k0 + rk)[:, None] * swk,
+                    mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
+    return b
+
+
 @triton.jit(do_not_specialize=["M"])
-def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sym, syn,
-                     R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
+def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sws, sym,
+                     syn, R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+                     BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
+                     W_MXFP4: tl.constexpr):
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -160,8 +207,7 @@ def _gemm_ptr_kernel(x_ptr, w_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm
         for k0 in range(s * SEG, tl.minimum(s * SEG + SEG, K), BK):
             a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
                         mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
-            b = tl.load(w_ptr + rn[None, :] * swn + (k0 + rk)[:, None] * swk,  # [BK, BN] view of W^T
-                        mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
+            b = _weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN, BK, W_MXFP4)
             acc = mma(a, b, acc, PREC, INTERP)
         total = total + acc
     _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
@@ -215,16 +261,17 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return True
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, lora_t: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
-           scale: float = 0.0, config: GemmConfig | None = None) -> torch.Tensor:
-    """x: [M, K], w: [N, K] (same dtype) -> [M, N] in that dtype; optional epilogue + (t B^T) * scale with
-    t: [M, R], lora_b: [N, R]. `config` overrides the per-shape table (benchmark sweeps only)."""
+def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor | None = None,
+           lora_b: torch.Tensor | None = None, scale: float = 0.0, config: GemmConfig | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] (same dtype; or packed MXFP4 with bf16 x) -> [M, N] in x's dtype; optional epilogue
+    + (t B^T) * scale with t: [M, R], lora_b: [N, R]. `config` overrides the per-shape table (benchmark sweeps only)."""
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or gemm_config(n, k, w.dtype, m)
+    packed = isinstance(w, MXFP4Weight)
+    cfg = config or gemm_config(n, k, x.dtype if packed else w.dtype, m)
     has_lora = lora_t is not None
     if has_lora:
         assert lora_b is not None
@@ -240,29 +287,46 @@ def matmul(x: torch.Tensor, w: torch.Tensor, lora_t: torch.Tensor | None = None,
     common = dict(HAS_LORA=has_lora, R_PAD=pow2(t_args[2]), BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
                   PREC=dot_precision(x.dtype), INTERP=INTERPRET, num_warps=cfg.warps)
     meta = dict(common, SPLIT=split, BK=cfg.block_k, num_stages=cfg.stages)
-    if cfg.tma and _tma_ok(x, w):
+    if packed:
+        assert x.dtype == torch.bfloat16 and cfg.block_k % GROUP == 0 and k % GROUP == 0
+        wp, ws = w.packed.contiguous(), w.scale.contiguous()
+        _gemm_ptr_kernel[grid](x, wp, ws, y, part, t_args[0], t_args[1], m, n, k, seg, x.stride(0), x.stride(1),
+                               wp.stride(0), 1, ws.stride(0), y.stride(0), y.stride(1), *t_args[2:], W_MXFP4=True,
+                               **meta)
+    elif cfg.tma and _tma_ok(x, w):
         xd = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
         wd = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
         _gemm_tma_kernel[grid](xd, wd, y, part, t_args[0], t_args[1], m, n, k, seg, y.stride(0), y.stride(1),
                                *t_args[2:], **meta)
     else:
-        _gemm_ptr_kernel[grid](x, w, y, part, t_args[0], t_args[1], m, n, k, seg, x.stride(0), x.stride(1),
-                               w.stride(0), w.stride(1), y.stride(0), y.stride(1), *t_args[2:], **meta)
+        _gemm_ptr_kernel[grid](x, w, w, y, part, t_args[0], t_args[1], m, n, k, seg, x.stride(0), x.stride(1),
+                               w.stride(0), w.stride(1), 0, y.stride(0), y.stride(1), *t_args[2:], W_MXFP4=False,
+                               **meta)
     if split:
         _segment_sum_kernel[(tiles,)](part, y, t_args[0], t_args[1], m, n, n_seg, y.stride(0), y.stride(1),
                                       *t_args[2:], **common)
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, lora: LoRA | None = None) -> torch.Tensor:
-    """x: [..., K], w: [N, K] (fp32 or bf16, one dtype) -> [..., N]: x W^T + ((x A^T) B^T) * scale."""
-    check_dtype(x, w)
+def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None) -> torch.Tensor:
+    """x: [..., K], w: [N, K] (fp32, bf16 or packed MXFP4) -> [..., N] in x's dtype: x W^T + ((x A^T) B^T) * scale.
+    Operands of different dtypes run in fp32 (the bf16 one upcast exactly); MXFP4 with fp32 x is dequantised first."""
+    out_dtype = x.dtype
+    if isinstance(w, MXFP4Weight) and x.dtype != torch.bfloat16:
+        w = w.dequantize(x.dtype)
+    if isinstance(w, MXFP4Weight):
+        dtype = torch.bfloat16
+    else:
+        dtype = torch.promote_types(x.dtype, w.dtype)
+        w = w.to(dtype)
+    x = x.to(dtype)
+    check_dtype(x, *(() if isinstance(w, MXFP4Weight) else (w,)))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if lora is None:
         y = matmul(x2, w)
     else:
-        check_dtype(x, lora.a, lora.b)
-        t = matmul(x2, lora.a)
-        y = matmul(x2, w, t, lora.b, lora.scale)
-    return y.reshape(*lead, w.shape[0])
+        a, b = lora.a.to(dtype), lora.b.to(dtype)
+        t = matmul(x2, a)
+        y = matmul(x2, w, t, b, lora.scale)
+    return y.reshape(*lead, w.shape[0]).to(out_dtype)

@@ -44,6 +44,8 @@ def _norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, M, D, sx, sg, sy, eps,
     else:
         y = x * tl.rsqrt(ss / D + eps)[:, None]
     if HAS_W:
+        if KIND == 0:  # rmsnorm: the normalised value is rounded to the output dtype before the weight multiply
+            y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         y = y * w[None, :]
     if KIND == 1:
