@@ -465,6 +465,19 @@ def mxfp4_cases(tk) -> list[Case]:
             out.append(Case("linear mxfp4", f"{name} M={m}", lambda i, xs=xs, qs=qs: tk.TRITON.linear(xs[i], qs[i]),
                             lambda i, xs=xs, ds=ds: torch.matmul(xs[i], ds[i].t()), "cuBLAS bf16",
                             2.0 * m * n * k, nb, s))
+    e, lat, inter, topk = 64, 3584, 3072, 16
+    quant = [mxfp4.MXFP4Weight.stack([mxfp4.quantize(rnd(*shape, dtype=torch.float32, scale=shape[1] ** -0.5))
+                                      for _ in range(e)]) for shape in ((inter, lat), (inter, lat), (lat, inter))]
+    dense = [q.dequantize(BF16) for q in quant]
+    for m in TOKENS:
+        x = rnd(m, lat)
+        ids, wts = tk.TRITON.route(rnd(m, e, dtype=torch.float32), None, topk, True, 2.5, "sigmoid")
+        touched = min(e, m * topk)
+        nb = 3 * touched * lat * inter * 17 // 32 + 4 * m * lat
+        out.append(Case("moe experts mxfp4", f"E={e} L={lat} I={inter} k={topk} N={m}",
+                        lambda i, x=x, ids=ids, wts=wts: tk.experts(x, ids, wts, *quant, "situ", 4.0, 25.0),
+                        lambda i, x=x, ids=ids, wts=wts: tk.experts(x, ids, wts, *dense, "situ", 4.0, 25.0),
+                        "invariant bf16 experts", 2.0 * 3 * m * topk * lat * inter, nb, 1, graph=False))
     return out
 
 

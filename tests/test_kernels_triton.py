@@ -454,6 +454,25 @@ def test_moe_matches_cpu_kernels(p: Platform) -> None:
     close(out, ref, 1e-5)
 
 
+def test_moe_mxfp4_experts_have_the_bits_of_their_bf16_values(p: Platform) -> None:
+    """The grouped expert GEMMs on packed MXFP4 experts (dequantised inside both GEMM kernels) equal, bit for bit, the
+    same op on the bf16 values of those weights; a token's output does not depend on the other tokens."""
+    from parity.quant import mxfp4
+    from parity.quant.mxfp4 import MXFP4Weight
+
+    e, lat, inter = 8, 64, 96
+    g = torch.Generator().manual_seed(5)
+    packed = [[mxfp4.quantize(torch.randn(*shape, generator=g) * shape[1] ** -0.5) for _ in range(e)]
+              for shape in ((inter, lat), (inter, lat), (lat, inter))]
+    stacked = [MXFP4Weight(p.t(w.packed), p.t(w.scale)) for w in map(MXFP4Weight.stack, packed)]
+    dense = [w.dequantize(torch.bfloat16) for w in stacked]
+    x = torch.randn(37, lat, generator=g).bfloat16()
+    ids, w = p.k.route(p.t(torch.randn(37, e, generator=g)), p.t(torch.zeros(e)), 4, True, 2.5, "sigmoid")
+    out = p.mod.experts(p.t(x), ids, w, *stacked)
+    assert_bits(out, p.mod.experts(p.t(x), ids, w, *dense))
+    assert_bits(out[20:21], p.mod.experts(p.t(x[20:21]), ids[20:21], w[20:21], *stacked))
+
+
 # --- GPU only: bf16 at model widths ---------------------------------------------------------------
 
 def _mxfp4_weight(n: int, k: int, seed: int):

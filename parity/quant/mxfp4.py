@@ -57,17 +57,23 @@ class QuantError(ValueError):
 
 @dataclass(frozen=True)
 class MXFP4Weight:
-    """A weight held packed: `packed` uint8 [N, K/2], `scale` uint8 [N, K/32]; logical shape [N, K]."""
+    """A weight held packed: `packed` uint8 [..., N, K/2], `scale` uint8 [..., N, K/32]; logical shape [..., N, K]
+    (leading dims: experts stacked for a grouped GEMM)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
+        return torch.Size((*self.packed.shape[:-1], 2 * self.packed.shape[-1]))
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return dequantize(self.packed, self.scale, dtype)
+
+    @staticmethod
+    def stack(weights: list[MXFP4Weight]) -> MXFP4Weight:
+        """Experts' packed weights stacked along a new leading dim."""
+        return MXFP4Weight(torch.stack([w.packed for w in weights]), torch.stack([w.scale for w in weights]))
 
 
 def scale_exponents(w: torch.Tensor) -> torch.Tensor:
@@ -109,10 +115,12 @@ def quantize(w: torch.Tensor, name: str = "weight") -> MXFP4Weight:
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """packed uint8 [N, K/2], scale uint8 [N, K/32] -> [N, K] in `dtype` (exact)."""
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    values = _fp4_helpers().unpack_fp4_from_uint8(packed, n, k, dtype=torch.float32).reshape(n, k // GROUP, GROUP)
-    return (values * torch.exp2(scale.float() - 127).unsqueeze(-1)).reshape(n, k).to(dtype)
+    """packed uint8 [..., N, K/2], scale uint8 [..., N, K/32] -> [..., N, K] in `dtype` (exact)."""
+    lead, k = packed.shape[:-1], 2 * packed.shape[-1]
+    n = packed[..., 0].numel()
+    values = _fp4_helpers().unpack_fp4_from_uint8(packed.reshape(n, k // 2), n, k, dtype=torch.float32)
+    values = values.reshape(n, k // GROUP, GROUP) * torch.exp2(scale.reshape(n, -1).float() - 127).unsqueeze(-1)
+    return values.reshape(*lead, k).to(dtype)
 
 
 class _FakeQuant(torch.autograd.Function):

@@ -97,3 +97,41 @@ def log1p_f32(y):
     u = 1.0 + y
     d = u - 1.0
     return tl.where(d == 0.0, y, tl.log(u) * (y / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def dequant_mxfp4_tile(byte, sc, BN: tl.constexpr, BK: tl.constexpr):
+    """byte: [BN, BK/2] uint8 E2M1 code pairs (element 2j in the low nibble), sc: [BN, BK/32] uint8 E8M0 scales
+    -> [BN, BK] bf16, exactly E2M1 * 2^(sc - 127) (subnormal results included), built from bits."""
+    b = byte.to(tl.int32)
+    code = tl.reshape(tl.interleave(b & 0xF, b >> 4), (BN, BK))
+    s = tl.reshape(tl.broadcast_to(sc.to(tl.int32)[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+    mag = code & 7
+    sign = (code >> 3) & 1
+    e = tl.where(mag >= 2, (mag >> 1) - 1, -1)  # exponent of the leading bit: 0.5 -> -1, 1 / 1.5 -> 0, ...
+    m = tl.where(mag >= 2, mag & 1, 0)
+    p = e + s - 127  # the value is (1 + m / 2) * 2^p
+    normal = ((p + 127) << 7) | (m << 6)
+    sub = (2 + m) << tl.maximum(p + 132, 0)  # p < -126: a bf16 subnormal, (2 + m) * 2^(p + 132) * 2^-133
+    bits = tl.where(mag == 0, 0, tl.where(p >= -126, normal, sub)) | (sign << 15)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN: tl.constexpr, BK: tl.constexpr,
+                 W_MXFP4: tl.constexpr):
+    """[BK, BN] view of W^T for columns rn and K offsets k0..k0+BK (zeros past N and K): loaded as is, or (W_MXFP4)
+    from the packed codes and scales, dequantised to bf16."""
+    if W_MXFP4:
+        rk2 = tl.arange(0, BK // 2)
+        rg = tl.arange(0, BK // 32)
+        byte = tl.load(w_ptr + rn[:, None] * swn + (k0 // 2 + rk2)[None, :],
+                       mask=(rn[:, None] < N) & ((k0 // 2 + rk2)[None, :] < K // 2), other=0)
+        sc = tl.load(ws_ptr + rn[:, None] * sws + (k0 // 32 + rg)[None, :],
+                     mask=(rn[:, None] < N) & ((k0 // 32 + rg)[None, :] < K // 32), other=127)
+        b = tl.trans(dequant_mxfp4_tile(byte, sc, BN, BK))
+    else:
+        rk = tl.arange(0, BK)
+        b = tl.load(w_ptr + rn[None, :] * swn + (k0 + rk)[:, None] * swk,
+                    mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
+    return b

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from parity.kernels.linear import LoRA
-from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2
+from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2, weight_tile
 from parity.quant.mxfp4 import GROUP, MXFP4Weight
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -152,44 +152,6 @@ def _segment_range(K, SEG, SPLIT: tl.constexpr):
     return s_lo, s_hi
 
 
-@triton.jit
-def dequant_mxfp4_tile(byte, sc, BN: tl.constexpr, BK: tl.constexpr):
-    """byte: [BN, BK/2] uint8 E2M1 code pairs (element 2j in the low nibble), sc: [BN, BK/32] uint8 E8M0 scales
-    -> [BN, BK] bf16, exactly E2M1 * 2^(sc - 127) (subnormal results included), built from bits."""
-    b = byte.to(tl.int32)
-    code = tl.reshape(tl.interleave(b & 0xF, b >> 4), (BN, BK))
-    s = tl.reshape(tl.broadcast_to(sc.to(tl.int32)[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-    mag = code & 7
-    sign = (code >> 3) & 1
-    e = tl.where(mag >= 2, (mag >> 1) - 1, -1)  # exponent of the leading bit: 0.5 -> -1, 1 / 1.5 -> 0, ...
-    m = tl.where(mag >= 2, mag & 1, 0)
-    p = e + s - 127  # the value is (1 + m / 2) * 2^p
-    normal = ((p + 127) << 7) | (m << 6)
-    sub = (2 + m) << tl.maximum(p + 132, 0)  # p < -126: a bf16 subnormal, (2 + m) * 2^(p + 132) * 2^-133
-    bits = tl.where(mag == 0, 0, tl.where(p >= -126, normal, sub)) | (sign << 15)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN: tl.constexpr, BK: tl.constexpr,
-                 W_MXFP4: tl.constexpr):
-    """[BK, BN] view of W^T for columns rn and K offsets k0..k0+BK (zeros past N and K): loaded as is, or (W_MXFP4)
-    from the packed codes and scales, dequantised to bf16."""
-    if W_MXFP4:
-        rk2 = tl.arange(0, BK // 2)
-        rg = tl.arange(0, BK // 32)
-        byte = tl.load(w_ptr + rn[:, None] * swn + (k0 // 2 + rk2)[None, :],
-                       mask=(rn[:, None] < N) & ((k0 // 2 + rk2)[None, :] < K // 2), other=0)
-        sc = tl.load(ws_ptr + rn[:, None] * sws + (k0 // 32 + rg)[None, :],
-                     mask=(rn[:, None] < N) & ((k0 // 32 + rg)[None, :] < K // 32), other=127)
-        b = tl.trans(dequant_mxfp4_tile(byte, sc, BN, BK))
-    else:
-        rk = tl.arange(0, BK)
-        b = tl.load(w_ptr + rn[None, :] * swn + (k0 + rk)[:, None] * swk,
-                    mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
-    return b
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sws, sym,
                      syn, R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
@@ -207,7 +169,7 @@ def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, 
         for k0 in range(s * SEG, tl.minimum(s * SEG + SEG, K), BK):
             a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
                         mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
-            b = _weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN, BK, W_MXFP4)
+            b = weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN, BK, W_MXFP4)
             acc = mma(a, b, acc, PREC, INTERP)
         total = total + acc
     _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,

@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2, sigmoid_f32, tanh_f32
+from parity.kernels.triton._common import (INTERPRET, check_dtype, dot_precision, mma, pow2, sigmoid_f32, tanh_f32,
+                                           weight_tile)
+from parity.quant.mxfp4 import MXFP4Weight
 
 
 # --- routing --------------------------------------------------------------------------------------
@@ -102,9 +104,10 @@ def _act(a, b, ACT: tl.constexpr, C0, C1, CLIP_UP: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I, TOPK,
-                    sx, sw_e, sw_n, sh, C0, C1, ACT: tl.constexpr, CLIP_UP: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I,
+                    TOPK, sx, sw_e, sw_n, ss_e, ss_n, sh, C0, C1, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
+                    W_MXFP4: tl.constexpr):
     """h[p] = act(x[tok] w1_e^T, x[tok] w3_e^T) for the tile's sorted positions p (tok = order[p] // k)."""
     tile = tl.program_id(0)
     expert = tl.load(t_exp_ptr + tile).to(tl.int64)
@@ -121,18 +124,19 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_
     for k0 in range(0, L, BK):
         kmask = rk + k0 < L
         a = tl.load(x_ptr + tok[:, None] * sx + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        woff = expert * sw_e + rn[None, :] * sw_n + (k0 + rk)[:, None]
-        wmask = (rn[None, :] < I) & kmask[:, None]
-        acc1 = mma(a, tl.load(w1_ptr + woff, mask=wmask, other=0.0), acc1, PREC, INTERP)
-        acc3 = mma(a, tl.load(w3_ptr + woff, mask=wmask, other=0.0), acc3, PREC, INTERP)
+        w1 = weight_tile(w1_ptr + expert * sw_e, s1_ptr + expert * ss_e, rn, k0, I, L, sw_n, 1, ss_n, BN, BK, W_MXFP4)
+        w3 = weight_tile(w3_ptr + expert * sw_e, s3_ptr + expert * ss_e, rn, k0, I, L, sw_n, 1, ss_n, BN, BK, W_MXFP4)
+        acc1 = mma(a, w1, acc1, PREC, INTERP)
+        acc3 = mma(a, w3, acc3, PREC, INTERP)
     h = _act(acc1, acc3, ACT, C0, C1, CLIP_UP)
     tl.store(h_ptr + pos[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
              mask=rmask[:, None] & (rn[None, :] < I))
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I, sh, sw_e, sw_n, sy,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I, sh, sw_e, sw_n,
+                 ss_e, ss_n, sy, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                 INTERP: tl.constexpr, W_MXFP4: tl.constexpr):
     """y[slot] = h[p] w2_e^T (fp32) for the tile's sorted positions p, slot = order[p]."""
     tile = tl.program_id(0)
     expert = tl.load(t_exp_ptr + tile).to(tl.int64)
@@ -148,8 +152,7 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows
     for k0 in range(0, I, BK):
         kmask = rk + k0 < I
         a = tl.load(h_ptr + pos[:, None] * sh + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(w2_ptr + expert * sw_e + rn[None, :] * sw_n + (k0 + rk)[:, None],
-                    mask=(rn[None, :] < L) & kmask[:, None], other=0.0)
+        b = weight_tile(w2_ptr + expert * sw_e, s2_ptr + expert * ss_e, rn, k0, L, I, sw_n, 1, ss_n, BN, BK, W_MXFP4)
         acc = mma(a, b, acc, PREC, INTERP)
     tl.store(y_ptr + slot[:, None] * sy + rn[None, :], acc, mask=rmask[:, None] & (rn[None, :] < L))
 
@@ -171,17 +174,35 @@ def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, BL: tl.constexpr):
     tl.store(out_ptr + n * L + cols, out.to(out_ptr.dtype.element_ty), mask=cm)
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-            w2: torch.Tensor, act: str = "situ", beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+def _operands(w: torch.Tensor | MXFP4Weight) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    """(codes or values, scales (the values again when dense), expert stride, row stride, scale expert stride, scale
+    row stride) of a stacked expert weight."""
+    if isinstance(w, MXFP4Weight):
+        p, s = w.packed.contiguous(), w.scale.contiguous()
+        return p, s, p.stride(0), p.stride(1), s.stride(0), s.stride(1)
+    w = w.contiguous()
+    return w, w, w.stride(0), w.stride(1), 0, 0
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor | MXFP4Weight,
+            w3: torch.Tensor | MXFP4Weight, w2: torch.Tensor | MXFP4Weight, act: str = "situ", beta: float = 4.0,
+            linear_beta: float | None = 25.0) -> torch.Tensor:
     """x: [N, L], ids/weights: [N, k] (ids ascending per row, from `route`); stacked experts
-    w1, w3: [E, I, L], w2: [E, L, I] (one dtype with x) -> [N, L]:
+    w1, w3: [E, I, L], w2: [E, L, I] (one dtype with x; or all three packed MXFP4 with bf16 x, dequantised inside
+    the GEMMs: the bits of the bf16 weights of those values) -> [N, L]:
     out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n), e = ids[n, j], j = 0..k-1 in order.
     act: 'situ' (beta, linear_beta) or 'silu'. h = act(...) is stored in x's dtype, y in fp32."""
-    check_dtype(x, w1, w3, w2)
+    packed = isinstance(w1, MXFP4Weight)
+    if packed:
+        assert isinstance(w3, MXFP4Weight) and isinstance(w2, MXFP4Weight) and x.dtype == torch.bfloat16
+        check_dtype(x)
+    else:
+        check_dtype(x, w1, w3, w2)
     n, k = ids.shape
     n_exp, inter, lat = w1.shape
     x = x.contiguous()
-    w1, w3, w2 = w1.contiguous(), w3.contiguous(), w2.contiguous()
+    (w1, s1, sw_e, sw_n, ss_e, ss_n), (w3, s3, *_) = _operands(w1), _operands(w3)
+    w2, s2, sw2_e, sw2_n, ss2_e, ss2_n = _operands(w2)
     out = torch.empty(n, lat, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
@@ -192,13 +213,13 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
     h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n * k, lat, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, bn))](
-        x, w1, w3, h, order, t_exp, t_start, t_rows, lat, inter, k, x.stride(0), w1.stride(0), w1.stride(1),
+        x, w1, w3, s1, s3, h, order, t_exp, t_start, t_rows, lat, inter, k, x.stride(0), sw_e, sw_n, ss_e, ss_n,
         h.stride(0), float(beta), float(linear_beta or 1.0), ACT=0 if act == "silu" else 1,
-        CLIP_UP=linear_beta is not None, BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, num_warps=4,
-        num_stages=3)
+        CLIP_UP=linear_beta is not None, BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, W_MXFP4=packed,
+        num_warps=4, num_stages=3)
     _down_kernel[(n_tiles, triton.cdiv(lat, bn))](
-        h, w2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, num_warps=4, num_stages=3)
+        h, w2, s2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), sw2_e, sw2_n, ss2_e, ss2_n, y.stride(0),
+        BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, W_MXFP4=packed, num_warps=4, num_stages=3)
     bl = min(pow2(lat), 1024)
     _combine_kernel[(n, triton.cdiv(lat, bl))](y, weights.contiguous(), out, lat, k, BL=bl, num_warps=4)
     return out
