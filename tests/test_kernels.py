@@ -25,9 +25,9 @@ SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
 
 
 def _embed_row(row: torch.Tensor, batch: int, pos: int, seed: int) -> torch.Tensor:
-    """A random batch of `batch` rows with `row` at index `pos`."""
+    """A random batch of `batch` rows (in `row`'s dtype) with `row` at index `pos`."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, *row.shape, generator=g)
+    x = torch.randn(batch, *row.shape, generator=g).to(row.dtype)
     x[pos] = row
     return x
 
@@ -355,6 +355,94 @@ def test_moe_matches_bruteforce_float64() -> None:
             for j, c in enumerate(chosen)
         )
         torch.testing.assert_close(out[n].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+# --- bf16: the same invariances at the bf16 model's cast points -----------------------------------
+
+BF16 = torch.bfloat16
+
+
+def test_bf16_linear_and_rowwise_rows_invariant() -> None:
+    """bf16 rows (and fp32 router rows on a bf16 weight): a row alone equals the row at every tile position and
+    inside larger batches, with LoRA; bf16 outputs of the row-wise ops and the fp32 log-probs of bf16 logits too."""
+    from parity.kernels.linear import TILE_ROWS, LoRA
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 128, generator=g).to(BF16)
+    lora = LoRA(torch.randn(4, 128, generator=g).to(BF16), torch.randn(96, 4, generator=g).to(BF16), 0.5)
+    row = torch.randn(128, generator=g).to(BF16)
+    for x_row, lo in ((row, None), (row, lora), (row.float(), None)):
+        alone = INVARIANT.linear(x_row[None], w, lo)[0]
+        assert alone.dtype == x_row.dtype
+        for pos in range(TILE_ROWS):
+            assert_bits(alone, INVARIANT.linear(_embed_row(x_row, TILE_ROWS, pos, pos), w, lo)[pos])
+        assert_bits(alone, INVARIANT.linear(_embed_row(x_row, 37, 30, 3), w, lo)[30])
+    d = 100
+    nw = torch.randn(d, generator=g).to(BF16)
+    r, gate = torch.randn(d, generator=g).to(BF16), torch.randn(d, generator=g).to(BF16)
+    xs, gs = _embed_row(r, 29, 17, 5), _embed_row(gate, 29, 17, 6)
+    for op in (lambda a, b: INVARIANT.rmsnorm(a, nw, 1e-6), lambda a, b: INVARIANT.gated_rmsnorm(a, b, nw, 1e-5),
+               lambda a, b: INVARIANT.situ_glu(a, b, 4.0, 25.0), lambda a, b: INVARIANT.silu_glu(a, b),
+               lambda a, b: INVARIANT.l2norm(a)):
+        one = op(r[None], gate[None])[0]
+        assert one.dtype == BF16
+        assert_bits(one, op(xs, gs)[17])
+    tokens = torch.randint(0, d, (29,), generator=g)
+    assert_bits(INVARIANT.token_logprobs(xs[17:18] * 3, tokens[17:18], 0.7)[0],
+                INVARIANT.token_logprobs(xs * 3, tokens, 0.7)[17])
+
+
+def test_bf16_conv_kda_attention_any_schedule() -> None:
+    """bf16 activations with fp32 conv weights, fp32 q / k / gate / beta with bf16 v, bf16 attention inputs: any
+    split into chunks (and resuming from the carried state) equals one pass, and a decode query equals its prefill
+    row; outputs in bf16, the KDA state fp32."""
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(1, 30, 24, generator=g).to(BF16), torch.randn(24, 4, generator=g)
+    zero = torch.zeros(1, 3, 24, dtype=BF16)
+    full, full_state = INVARIANT.short_conv(x, w, zero)
+    y1, st = INVARIANT.short_conv(x[:, :11], w, zero)
+    y2, st = INVARIANT.short_conv(x[:, 11:], w, st)
+    assert full.dtype == st.dtype == BF16
+    assert_bits(torch.cat([y1, y2], 1), full)
+    assert_bits(st, full_state)
+    q, k, v, gate, beta = _kda_inputs(1, 40, seed=12)
+    v = v.to(BF16)
+    s0 = torch.zeros(1, 2, 16, 16)
+    o, s = INVARIANT.kda(q, k, v, gate, beta, 0.25, s0)
+    assert o.dtype == BF16 and s.dtype == torch.float32
+    outs, state = [], s0
+    for a, b in ((0, 13), (13, 14), (14, 40)):
+        oi, state = INVARIANT.kda(q[:, a:b], k[:, a:b], v[:, a:b], gate[:, a:b], beta[:, a:b], 0.25, state)
+        outs.append(oi)
+    assert_bits(torch.cat(outs, 1), o)
+    assert_bits(state, s)
+    t = 90
+    qa, ka, va = (torch.randn(1, t, 2, 32, generator=g).to(BF16) for _ in range(3))
+    pos = torch.arange(t).view(1, t)
+    prefill = INVARIANT.attention(qa, ka, va, pos, torch.tensor([t]), 0.2)
+    assert prefill.dtype == BF16
+    for p in (0, 63, 64, 89):
+        one = INVARIANT.attention(qa[:, p : p + 1], ka[:, : p + 1], va[:, : p + 1], pos[:, p : p + 1],
+                                  torch.tensor([p + 1]), 0.2)
+        assert_bits(one[0, 0], prefill[0, p])
+
+
+def test_bf16_attn_res_and_moe_token_invariant() -> None:
+    g = torch.Generator().manual_seed(13)
+    c = torch.randn(13, 4, 64, generator=g).to(BF16)
+    nw, pw = torch.randn(64, generator=g).to(BF16), torch.randn(64, generator=g).to(BF16)
+    full = INVARIANT.attn_res_mix(c, nw, pw, 1e-6)
+    assert full.dtype == BF16
+    assert_bits(INVARIANT.attn_res_mix(c[7:8], nw, pw, 1e-6)[0], full[7])
+    w1, w3, w2 = ([t.to(BF16) for t in ws] for ws in _experts(16, 32, 24))
+    x = torch.randn(21, 32, generator=g).to(BF16)
+    logits = torch.randn(21, 16, generator=g)
+    logits[9, :8] = 0.5  # ties
+    ids, out = _moe(INVARIANT, x, logits, torch.zeros(16), w1, w3, w2)
+    ids1, out1 = _moe(INVARIANT, x[9:10], logits[9:10], torch.zeros(16), w1, w3, w2)
+    assert out.dtype == torch.float32  # the combine is fp32; the model rounds it
+    assert_bits(ids[9], ids1[0])
+    assert_bits(out[9], out1[0])
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

@@ -43,8 +43,8 @@ def _steps(run: PPORun, upto: int, out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def lora_run(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path, dict[str, float]]:
-    """configs/ppo-tiny-lora.yaml on the fp32 k3-tiny checkpoint (the session's; in bf16 a fresh adapter's first
-    updates are below the base output's rounding, so the reward moves later)."""
+    """configs/ppo-tiny-lora.yaml on the session's fp32 k3-tiny checkpoint (the weights its reward rise was measured
+    on: lora/README.md)."""
     out = tmp_path_factory.mktemp("ppo-lora")
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-lora.yaml"), model=str(k3_tiny), wandb="disabled")
     assert cfg.lora and cfg.steps == STEPS
