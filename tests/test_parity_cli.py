@@ -3,10 +3,10 @@ compute, MXFP4 routed experts with a quantisation-aware trainer, FP8 MLA latents
 
 Check (invariant kernels): every sampled log-prob bitwise equal for batched and alone rollouts, which also
 agree with each other; the HTML report renders a real plot. Fast kernels: a non-zero max |d| and exit 1, with a
-diagnosis. Selftest: one-ulp (of bf16) rollout-side perturbations detected and localised
-(3 trials here; the README reports a 20-trial run). The command runs in-process (`zerokl.cli.main`, what the
-console script calls; tests/test_cli.py runs the script itself), before the module's shared `Checker` exists:
-one Megatron trainer per process at a time."""
+diagnosis. Prefix-cache hits over the FP8 latents keep the bits. Selftest: one-ulp (of bf16) rollout-side
+perturbations detected and localised (3 trials here; the README reports a 20-trial run). The command runs in-process
+(`zerokl.cli.main`, what the console script calls; tests/test_cli.py runs the script itself), before the module's
+shared `Checker` exists: one Megatron trainer per process at a time."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from zerokl.cli import main
-from zerokl.engine_check import Checker, selftest, task_prompts
+from zerokl.engine_check import ENGINE_ARGS, Checker, selftest, task_prompts
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
@@ -71,7 +71,9 @@ def test_cli_lora_check_is_bitwise(ckpt: Path, tmp_path: Path, capsys: pytest.Ca
 
 @pytest.fixture(scope="module")
 def checker(ckpt: Path) -> Iterator[Checker]:
-    c = Checker(ckpt)
+    """The module's checker; its engine caches prefixes (16-token match unit), so repeated prompts resume from cached
+    FP8 latents and KDA states."""
+    c = Checker(ckpt, engine_args={**ENGINE_ARGS, "enable_prefix_caching": True, "prefix_match_unit": 16})
     yield c
     c.close()
 
@@ -82,6 +84,29 @@ def test_check_invariant_is_bitwise(checker: Checker) -> None:
     assert res.report.all_equal and res.report.max_abs_diff == 0.0 and res.report.kl_k1 == 0.0
     assert res.report.ratio_min == res.report.ratio_max == 1.0
     assert res.mix_mismatch == 0 and res.diagnosis is None
+
+
+def test_fp8_latent_prefix_hits_keep_the_bits(checker: Checker) -> None:
+    """Prefix-cache hits over FP8 latents and the KDA states cached with them, at a block boundary and inside a
+    block: a warm run resumes from the cache and samples the cold run's tokens and log-probs bit for bit, which equal
+    the one-pass forward's (the trainer's math) on the checkpoint."""
+    import torch
+
+    from parity.kernels import INVARIANT
+    from parity.model import K3Forward, K3Weights, score_sequences
+
+    g = torch.Generator().manual_seed(8)
+    shared = torch.randint(4, 1000, (300,), generator=g).tolist()
+    prompts = [shared + torch.randint(4, 1000, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    cold = checker.engine.generate(prompts, max_tokens=8, seed=4)
+    warm = checker.engine.generate(prompts, max_tokens=8, seed=4)
+    assert all(w.cached_tokens >= 256 for w in warm) and any(w.cached_tokens % 128 for w in warm), \
+        [w.cached_tokens for w in warm]
+    fwd = K3Forward(K3Weights.from_official(checker.cfg.text, checker.tensors), INVARIANT)
+    for c, w in zip(cold, warm):
+        assert c.completion_ids == w.completion_ids and torch.equal(c.logprobs, w.logprobs)
+        ref = score_sequences(fwd, [c.prompt_ids + c.completion_ids])[0][len(c.prompt_ids) - 1 :]
+        assert torch.equal(ref, c.logprobs)
 
 
 def test_selftest_detects_and_localises(checker: Checker) -> None:

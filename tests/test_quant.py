@@ -9,9 +9,12 @@ zeros, fp32 and bf16 subnormals, the largest finite values, every E2M1 rounding 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from parity.config import ConfigError, load_model_config
 from parity.quant import fp8, mxfp4
 
 
@@ -129,3 +132,20 @@ def test_fp8_matches_vllm_quant_fp8() -> None:
         got = fp8.quantize(xd)
         assert torch.equal(got.view(torch.uint8), ref.view(-1).view(torch.uint8)), dtype
         assert torch.equal(fp8.round_trip(xd), fp8.dequantize(got, dtype))
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    (("torch_dtype: bfloat16", "torch_dtype: float16"), "torch_dtype must be one of ['bfloat16', 'float32']"),
+    (("format: mxfp4-pack-quantized\n  quantization_status", "format: nvfp4-pack-quantized\n  quantization_status"),
+     "format 'mxfp4-pack-quantized'"),
+    (("kv_cache_scheme: {num_bits: 8,", "kv_cache_scheme: {num_bits: 4,"), "only FP8"),
+    (("moe_intermediate_size: 64", "moe_intermediate_size: 72"), "multiples of 32"),
+])
+def test_quantised_configs_are_checked(edit: tuple[str, str], says: str, tmp_path: Path) -> None:
+    """A checkpoint config zerokl cannot compute in as written fails at load, naming the key."""
+    text = (Path(__file__).resolve().parents[1] / "configs" / "k3-tiny-mxfp4.yaml").read_text()
+    assert text.count(edit[0]) == 1
+    (tmp_path / "c.yaml").write_text(text.replace(*edit))
+    with pytest.raises(ConfigError) as err:
+        load_model_config(tmp_path / "c.yaml")
+    assert says in str(err.value)
