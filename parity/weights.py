@@ -7,6 +7,10 @@ that name) keeps it at the top level (`model.layers.N.`, `model.embed_tokens`, `
 both families use the same names; the stacked projections such as `in_proj_qkvgfab` and
 `fused_qkv_a_g_proj` are vLLM-side fusions of the names here. Every other module (checkpoint writer,
 reference model, engines) derives its names from this table.
+
+Two forms of the same weights: `text_specs` names one tensor per weight (what the trainers hold as fp32 masters and
+the forward reads); `stored_specs` is what a checkpoint stores and the rollout engine holds (an MXFP4 checkpoint's
+routed experts as `weight_packed` + `weight_scale`). `serving_weights` and `master_weights` convert between them.
 """
 
 from __future__ import annotations
