@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,21 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import free_port
+
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sync_x2_harness_on_gloo(tmp_path: Path) -> None:
     report, dump = tmp_path / "report.json", tmp_path / "logprobs.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(ROOT / "bench" / "sync_x2.py"), "--config", "configs/k3-tiny.yaml",
+           "--master_port", str(free_port()), str(ROOT / "bench" / "sync_x2.py"), "--config", "configs/k3-tiny.yaml",
            "--prompts", "20", "13", "--max-new", "6", "--chunk", "8", "--scale", "2", "--megatron",
            "--json", str(report), "--dump", str(dump)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
