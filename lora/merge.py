@@ -35,7 +35,7 @@ def merge_checkpoint(model: str | Path, adapter_dir: str | Path, out: str | Path
                      progress: Callable[[str], None] | None = None) -> Path:
     """Load the checkpoint `model` and the adapter (validated against it), write the merged checkpoint to `out`.
 
-    `dtype` (bfloat16 / float32) re-stores every model-dtype tensor (the fp32-stored ones stay fp32)
+    `dtype` (bfloat16 / float32) re-stores every model-dtype tensor (fp32-stored ones and packed MXFP4 experts stay)
     before merging, e.g. float32 to keep the merged delta unrounded; default: as stored in `model`."""
     if dtype is not None and dtype not in DTYPES:
         raise AdapterError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -43,7 +43,7 @@ def merge_checkpoint(model: str | Path, adapter_dir: str | Path, out: str | Path
     adapter = load_adapter(adapter_dir, cfg.text)
     if dtype is not None:
         specs = all_specs(cfg)
-        weights = {n: t if specs[n].fp32 else t.to(DTYPES[dtype]) for n, t in weights.items()}
+        weights = {n: t if specs[n].fp32 or specs[n].packing else t.to(DTYPES[dtype]) for n, t in weights.items()}
         cfg = ModelConfig(cfg.model_type, cfg.text, cfg.vision, {**cfg.raw, "torch_dtype": dtype})
     merged = merge_weights(weights, adapter)
     if progress:

@@ -149,3 +149,21 @@ def test_quantised_configs_are_checked(edit: tuple[str, str], says: str, tmp_pat
     with pytest.raises(ConfigError) as err:
         load_model_config(tmp_path / "c.yaml")
     assert says in str(err.value)
+
+
+def test_merge_into_an_mxfp4_checkpoint_keeps_its_experts_packed(tmp_path: Path) -> None:
+    """`zerokl lora merge --dtype float32` on an MXFP4 checkpoint re-stores the bf16 tensors, not the uint8 codes and
+    scales, which stay byte for byte."""
+    from lora.adapter import save_adapter
+    from lora.init import random_adapter
+    from lora.merge import merge_checkpoint
+    from parity.io.checkpoint import init_checkpoint, load_checkpoint
+
+    repo = Path(__file__).resolve().parents[1]
+    ckpt = init_checkpoint(repo / "configs" / "k3-tiny-mxfp4.yaml", tmp_path / "ckpt", seed=0)
+    cfg, before = load_checkpoint(ckpt)
+    adapter = save_adapter(random_adapter(cfg.text, 4, seed=1), tmp_path / "adapter")
+    merged_cfg, after = load_checkpoint(merge_checkpoint(ckpt, adapter, tmp_path / "merged", dtype="float32"))
+    assert merged_cfg.text.torch_dtype == "float32" and merged_cfg.text.expert_format == "mxfp4"
+    packed = [n for n in before if n.endswith(("weight_packed", "weight_scale"))]
+    assert packed and all(after[n].dtype == torch.uint8 and torch.equal(after[n], before[n]) for n in packed)
