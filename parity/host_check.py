@@ -8,8 +8,8 @@ depend on kernels the host's libraries pick for its CPU:
   batch's row count; that a row's bits do not depend on its *position inside* a tile (or on the thread
   count) is a property of the BLAS micro-kernel (MKL's sgemm here), not of zerokl's code.
 - `linear` columns: the Megatron trainer at TP > 1 computes each rank's share of a column-split weight
-  as its own GEMM; that a column's bits do not depend on how many other columns the weight has (for
-  widths of at least `TP_MIN_COLUMNS`) is again the BLAS's property.
+  as its own GEMM; that a column's bits do not depend on how many other columns the weight has (the GEMM
+  pads outputs narrower than `parity.kernels.linear.MIN_COLUMNS`, below which MKL takes another path) is again the BLAS's property.
 - `elementwise`: `exp`, `log1p`, `tanh`, `rsqrt`, `sqrt` give the same bits in ATen's SIMD body and in
   its tail (an element alone vs inside a long tensor).
 
@@ -60,17 +60,12 @@ def _linear_tile_positions(g: torch.Generator) -> str:
     return ""
 
 
-TP_MIN_COLUMNS = 12  # narrower column shards take another MKL path; the trainer gathers those (trainer/megatron/sharding.py)
-
-
 def _linear_column_shards(g: torch.Generator) -> str:
     x = torch.randn(37, 256, generator=g)
-    for n in (24, 64, 200, 1024):
+    for n in (4, 8, 24, 64, 200, 1024):
         w = torch.randn(n, 256, generator=g)
         whole = linear_invariant(x, w)
         for parts in (2, 4):
-            if n // parts < TP_MIN_COLUMNS:
-                continue
             for i, (part, cols) in enumerate(zip(w.chunk(parts), whole.chunk(parts, dim=1))):
                 bad = _mismatch(linear_invariant(x, part), cols)
                 if bad:

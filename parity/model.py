@@ -246,8 +246,24 @@ class K3Forward:
         o = self.k.gated_rmsnorm(o, gate, self.weight(f"{p}.o_norm.weight"), KDA_NORM_EPS)
         return self._lin(o.reshape(b, t, h * d), f"{p}.o_proj.weight")
 
+    def _kv_b_heads(self, p: str) -> torch.Tensor:
+        """kv_b_proj as [H, dn + dv, r] (per head: the k_nope rows, then the v rows); with a LoRA the effective weight
+        W + scale * B A in fp32 (one invariant GEMM: it depends on the weights only, never on the batch)."""
+        c = self.cfg
+        name = f"{p}.kv_b_proj.weight"
+        w = self.weight(name)
+        lora = self._lora(name)
+        if lora is not None:
+            w = wide(w) + self.k.linear(wide(lora.b), wide(lora.a).t()) * lora.scale
+        return w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+
     def _mla(self, x: torch.Tensor, p: str, cache: MLACache, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """NoPE MLA on normalised input x: [B, T, D]; appends this step's latents to `cache`."""
+        """NoPE MLA on normalised input x: [B, T, D]; appends this step's latents to `cache`.
+
+        Absorbed form, on every schedule (prefill, decode, trainer): per head h, q_lat = W_UK[h]^T q_nope, attention
+        of [q_lat ; q_rope] over the cached latents [c ; k_rope] with values c (one latent head shared by all query
+        heads), then o = W_UV[h] o_lat. kv_b_proj never touches the cache: a decode step costs O(S * H * (2r + dr))
+        instead of O(S * r * H * (dn + dv)) for S cached positions (parity/README.md)."""
         c = self.cfg
         b, t, _ = x.shape
         h, dn, dr, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
@@ -261,12 +277,13 @@ class K3Forward:
         if c.latent_cache == "fp8_e4m3":
             latent = fp8.round_trip(latent)  # the values the FP8 cache holds, for every reader
         cache.append(latent, lens)
-        lat = cache.latent.to(latent.dtype)  # [B, S, r + dr] (an FP8 page holds exactly these values)
-        s = lat.shape[1]
-        kv = self._lin(lat[..., :r], f"{p}.kv_b_proj.weight").view(b, s, h, dn + dv)
-        k_pe = lat[..., r:].unsqueeze(2).expand(b, s, h, dr)
-        keys = torch.cat([kv[..., :dn], k_pe], dim=-1)
-        o = self.k.attention(q, keys, kv[..., dn:], pos, cache.length, (dn + dr) ** -0.5)  # [B, T, H, dv]
+        lat = cache.latent.to(latent.dtype).unsqueeze(2)  # [B, S, 1, r + dr] (an FP8 page holds exactly these values)
+        kv_b = self._kv_b_heads(p)
+        q_lat = torch.stack([self.k.linear(q[:, :, i, :dn], kv_b[i, :dn].t()) for i in range(h)], dim=2)  # [B, T, H, r]
+        q_abs = torch.cat([q_lat, q[..., dn:]], dim=-1).reshape(b, t * h, 1, r + dr)  # rows (token, head)
+        o_lat = self.k.attention(q_abs, lat, lat[..., :r], pos.repeat_interleave(h, dim=1), cache.length,
+                                 (dn + dr) ** -0.5).view(b, t, h, r)
+        o = torch.stack([self.k.linear(o_lat[:, :, i], kv_b[i, dn:]) for i in range(h)], dim=2)  # [B, T, H, dv]
         if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
             o = (wide(o) * self.k.sigmoid(wide(self._lin(x, f"{p}.g_proj.weight")).view(b, t, h, dv))).to(o.dtype)
         return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from helpers import assert_bits, first_mismatch
 from parity.kernels import FAST, INVARIANT, get_kernels
 from parity.kernels.attention import gather_paged
+from parity.kernels.linear import LoRA, k_segments, pairwise_sum, tiled_matmul
 from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import sigmoid, silu, softplus, tree_sum
 
@@ -443,6 +444,102 @@ def test_bf16_attn_res_and_moe_token_invariant() -> None:
     assert out.dtype == torch.float32  # the combine is fp32; the model rounds it
     assert_bits(ids[9], ids1[0])
     assert_bits(out[9], out1[0])
+
+
+# --- tensor-parallel segments and fast backwards ------------------------------------------------------
+
+def test_linear_row_parallel_partials_combine_to_the_whole_gemm_bits() -> None:
+    """Row-parallel TP: each of TP ranks' K / TP features are whole segments of the invariant GEMM; its partial
+    (`tiled_matmul` with segments / TP) added by `pairwise_sum` in rank order is the whole GEMM, bit for bit
+    (TP = 2, 4, 8; fp32 and bf16 operands; narrow outputs padded)."""
+    g = torch.Generator().manual_seed(3)
+    for k, n in ((64, 256), (128, 5), (512, 256), (1024, 33)):
+        assert k_segments(k) == 8
+        x, w = torch.randn(37, k, generator=g), torch.randn(n, k, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, wd = x.to(dtype).float(), w.to(dtype).float()
+            whole = tiled_matmul(xd, wd)
+            for tp in (2, 4, 8):
+                parts = [tiled_matmul(xs, ws, 8 // tp) for xs, ws in zip(xd.chunk(tp, 1), wd.chunk(tp, 1))]
+                assert torch.equal(pairwise_sum(parts), whole), (k, n, dtype, tp)
+    assert k_segments(96) == 8 and k_segments(32) == 1 and k_segments(100) == 1
+
+
+def _grads(fn, inputs: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """(output, every input's gradient) of sum(fn(*inputs) * fixed weights) with the inputs cast to `dtype`."""
+    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    (out * torch.sin(torch.arange(out.numel(), dtype=dtype)).view_as(out)).sum().backward()
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _assert_grads_close(fast: list[torch.Tensor], ref: list[torch.Tensor], rtol: float, what: str) -> None:
+    for i, (a, b) in enumerate(zip(fast, ref)):
+        err = (a.double() - b).abs().max() / b.abs().max()
+        assert err < rtol, f"{what}: output/grad {i} off by {err:.2e} of its largest value"
+
+
+def test_fast_backwards_match_float64_autograd_and_rerun_bitwise() -> None:
+    """Linear (+ LoRA, bf16 activations), KDA (chunk boundaries crossed, padding) and attention (MHA and one shared
+    latent head): outputs and gradients of the invariant kernels' `autograd.Function`s against float64 autograd
+    through plain ops, within 1e-5 of the largest value (2e-2 for bf16-rounded outputs); a rerun gives the same bits."""
+    from parity.kernels.attention import _visible
+    from parity.kernels.kda import CHUNK, _recurrence
+
+    g = torch.Generator().manual_seed(4)
+    x, w, a, b = (torch.randn(*s, generator=g) for s in ((3, 21, 96), (40, 96), (4, 96), (40, 4)))
+
+    def lin(x, w, a, b):
+        return INVARIANT.linear(x, w, LoRA(a, b, 0.5))
+
+    def lin_ref(x, w, a, b):
+        return x @ w.t() + (x @ a.t()) @ b.t() * 0.5
+
+    ref = _grads(lin_ref, [x, w, a, b], torch.float64)
+    _assert_grads_close(_grads(lin, [x, w, a, b], torch.float32), ref, 1e-5, "linear")
+    bf16 = _grads(lambda x, *ws: lin(x.to(torch.bfloat16), *ws), [x, w, a, b], torch.float32)
+    _assert_grads_close(bf16, ref, 2e-2, "linear, bf16 activations")
+    assert all(torch.equal(u, v) for u, v in zip(_grads(lin, [x, w, a, b], torch.float32),
+                                                    _grads(lin, [x, w, a, b], torch.float32)))
+
+    t = CHUNK * 2 + 7
+    q, k = (F.normalize(torch.randn(2, t, 2, 8, generator=g), dim=-1) for _ in range(2))
+    v, gate, beta = torch.randn(2, t, 2, 8, generator=g), -torch.rand(2, t, 2, 8, generator=g), torch.rand(2, t, 2, generator=g)
+    s0 = torch.randn(2, 2, 8, 8, generator=g) * 0.1
+    valid = torch.ones(2, t, dtype=torch.bool)
+    valid[1, t - 40:] = False
+    kda_inputs = [q, k, v, gate, beta, s0]
+
+    def kda(q, k, v, gate, beta, s0):
+        return INVARIANT.kda(q, k, v, gate, beta, 0.3, s0, valid)
+
+    def kda_ref(q, k, v, gate, beta, s0):
+        return _recurrence(q, k, v, gate, beta, 0.3, s0, valid)
+
+    _assert_grads_close(_grads(kda, kda_inputs, torch.float32), _grads(kda_ref, kda_inputs, torch.float64), 1e-5, "kda")
+    assert all(torch.equal(u, v) for u, v in zip(_grads(kda, kda_inputs, torch.float32),
+                                                    _grads(kda, kda_inputs, torch.float32)))
+
+    pos = torch.stack([torch.arange(30, 70), torch.arange(10, 50).clamp(max=44)])
+    kv_len = torch.tensor([70, 45])
+    for kv_heads in (3, 1):
+        att_inputs = [torch.randn(2, 40, 3, 24, generator=g), torch.randn(2, 70, kv_heads, 24, generator=g),
+                      torch.randn(2, 70, kv_heads, 16, generator=g)]
+
+        def att(q, k, v):
+            return INVARIANT.attention(q, k, v, pos, kv_len, 0.2)
+
+        def att_ref(q, k, v):
+            k, v = k.expand(2, 70, 3, 24), v.expand(2, 70, 3, 16)
+            s = torch.einsum("bthd,bshd->bhts", q, k) * 0.2
+            p = torch.softmax(s.masked_fill(~_visible(pos, kv_len, 70), float("-inf")), -1)
+            return torch.einsum("bhts,bshd->bthd", p, v)
+
+        _assert_grads_close(_grads(att, att_inputs, torch.float32), _grads(att_ref, att_inputs, torch.float64), 1e-5,
+                            f"attention, {kv_heads} kv heads")
+        assert all(torch.equal(u, v) for u, v in zip(_grads(att, att_inputs, torch.float32),
+                                                        _grads(att, att_inputs, torch.float32)))
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

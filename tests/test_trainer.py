@@ -74,8 +74,9 @@ def test_sharding_table_places_every_text_tensor(config: str) -> None:
 
 
 def test_column_shards_keep_the_gemm_bits(official: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
-    """What TP bit-equality rests on: for every column-split (and vocab-split) k3-tiny projection, each TP = 2
-    shard's GEMM gives the same bits as those columns of the whole GEMM (`parity.kernels` invariant linear)."""
+    """What TP bit-equality of column-parallel layers rests on: for every column-split (and vocab-split) k3-tiny
+    projection, each TP = 2 and TP = 4 shard's GEMM gives the same bits as those columns of the whole GEMM
+    (`parity.kernels` invariant linear; KDA b_proj's shards are 2 and 1 columns wide)."""
     cfg, weights = official
     g = torch.Generator().manual_seed(2)
     shapes = {tuple(weights[n].shape) for n, r in split_roles(cfg.text).items()
@@ -83,8 +84,9 @@ def test_column_shards_keep_the_gemm_bits(official: tuple[ModelConfig, dict[str,
     for out_f, in_f in sorted(shapes):
         x, w = torch.randn(37, in_f, generator=g), torch.randn(out_f, in_f, generator=g)
         whole = INVARIANT.linear(x, w)
-        for part, cols in zip(w.chunk(2), whole.chunk(2, dim=1)):
-            _assert_bits(INVARIANT.linear(x, part), cols, f"weight {out_f}x{in_f}, half the columns")
+        for tp in (2, 4):
+            for part, cols in zip(w.chunk(tp), whole.chunk(tp, dim=1)):
+                _assert_bits(INVARIANT.linear(x, part), cols, f"weight {out_f}x{in_f}, 1/{tp} of the columns")
 
 
 def test_cpu_compat_wraps_exactly_the_listed_spots() -> None:

@@ -1,7 +1,8 @@
-"""The K3 trainer at TP = 2, EP = 2 and both at once, two CPU ranks on gloo (`torchrun --nproc_per_node 2`).
+"""The K3 trainer at TP = 2, EP = 2 and both at once on two CPU ranks, and TP = 4 on four (gloo, torchrun).
 
 Each run executes tests/dist/trainer_parallel.py, which checks on every rank: load -> export is bitwise; every
-token's log-prob equals the one-process forward (torch.equal); packed = padded; DDP-finalised gradients and
+token's log-prob equals the one-process forward (torch.equal); each row-parallel GEMM multiplies only the rank's
+K / TP share; packed = padded; DDP-finalised gradients and
 Megatron's grad norm match the one-process gradients; one Megatron Adam step moves every parameter with a
 gradient and lowers the loss; the saved checkpoint reloads bit for bit.
 """
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.slow  # starts engines, trainers or processes: schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_parallel.py"
-CHECKS = 7  # "ok" lines the worker prints on success
+CHECKS = 8  # "ok" lines the worker prints on success
 
 
 
@@ -27,7 +28,8 @@ def checkpoint(k3_tiny: Path) -> Path:
     return k3_tiny
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "ep2", "tp2-ep2"])
-def test_trainer_two_ranks(tp: int, ep: int, checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp,ep,nproc", [(2, 1, 2), (1, 2, 2), (2, 2, 2), (4, 1, 4)],
+                         ids=["tp2", "ep2", "tp2-ep2", "tp4"])
+def test_trainer_parallel(tp: int, ep: int, nproc: int, checkpoint: Path, tmp_path: Path) -> None:
     torchrun_checks(WORKER, ["--tp", str(tp), "--ep", str(ep), "--checkpoint", str(checkpoint),
-                             "--out", str(tmp_path / "exported")], CHECKS)
+                             "--out", str(tmp_path / "exported")], CHECKS, nproc=nproc)

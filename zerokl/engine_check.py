@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from parity.compare import DumpError, ParityReport, SequenceLogprobs, compare, jsonl_rows
-from parity.config import ModelConfig
+from parity.config import ConfigError, ModelConfig
 from parity.diagnose import Divergence, diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
@@ -89,12 +89,50 @@ def task_prompts(n: int, seed: int, tokenizer: Any) -> list[list[int]]:
     return [tokenizer.encode(task.sample(rng).prompt).ids for _ in range(n)]
 
 
+class TensorParallelScorer:
+    """The Megatron trainer's log-probs at TP = `tp` on `tp` local ranks (`trainer.megatron.tp_score`), one launch
+    per call; `logprobs` as `TrainerBackend.logprobs`."""
+
+    def __init__(self, checkpoint: Path, tp: int, kernels: str, adapter: str | Path | None):
+        from trainer.megatron.sharding import check_divisible
+
+        try:  # a bad --tp fails here, before anything starts
+            check_divisible(load_checkpoint(checkpoint)[0].text, tp, 1)
+        except ValueError as e:
+            raise ConfigError(f"--tp {tp}: {e}") from None
+        self.checkpoint, self.tp, self.kernels, self.adapter = checkpoint, tp, kernels, adapter
+
+    def logprobs(self, batch: Any, temperature: float) -> torch.Tensor:
+        import sys
+        import tempfile
+
+        from trainer.megatron import tp_score
+        from zerokl.launch import run_ranks
+
+        with tempfile.TemporaryDirectory(prefix="zerokl-tp-") as tmp:
+            torch.save({"input_ids": batch.input_ids, "lens": batch.lens}, Path(tmp) / tp_score.BATCH_FILE)
+            cmd = [sys.executable, "-m", "trainer.megatron.tp_score", "--checkpoint", str(self.checkpoint),
+                   "--tp", str(self.tp), "--kernels", self.kernels, "--temperature", repr(temperature), "--dir", tmp]
+            if self.adapter is not None:
+                cmd += ["--adapter", str(self.adapter)]
+            print(f"scoring {batch.input_ids.shape[0]} sequences with the trainer at TP = {self.tp} "
+                  f"({self.tp} ranks)", flush=True)
+            rc = run_ranks(cmd, self.tp)
+            if rc != 0:
+                raise RuntimeError(f"the TP = {self.tp} trainer ranks failed (exit {rc}); their output is above")
+            return torch.load(Path(tmp) / tp_score.LOGPROBS_FILE, weights_only=True)
+
+    def close(self) -> None:
+        """Nothing stays up between calls."""
+
+
 class Checker:
     """A rollout engine and a trainer model on the same checkpoint (and LoRA adapter), kept alive across checks."""
 
     def __init__(self, model: str | Path, kernels: str = "invariant", engine_args: dict[str, Any] | None = None,
-                 lora: str | Path | None = None, backend: str = "megatron", zero_stage: int = 3):
-        """`backend` / `zero_stage`: the trainer (`trainer.backend.build_backend`), in this one process."""
+                 lora: str | Path | None = None, backend: str = "megatron", zero_stage: int = 3, tp: int = 1):
+        """`backend` / `zero_stage`: the trainer (`trainer.backend.build_backend`), in this one process; `tp` > 1:
+        the Megatron trainer at that tensor parallelism on `tp` local ranks (`TensorParallelScorer`)."""
         from lora.adapter import load_adapter
         from rollout.engine import RolloutEngine, lora_engine_args
         from tokenizers import Tokenizer
@@ -105,7 +143,13 @@ class Checker:
         self.cfg, self.tensors = load_checkpoint(self.path)
         self.adapter = load_adapter(lora, self.cfg.text) if lora is not None else None
         self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
-        self.backend = build_backend(backend, self.path, kernels=kernels, adapter=self.adapter, zero_stage=zero_stage)
+        if tp > 1:
+            if backend != "megatron":
+                raise ConfigError(f"--tp {tp} is Megatron tensor parallelism; the {backend} backend has none")
+            self.backend = TensorParallelScorer(self.path, tp, kernels, lora)
+        else:
+            self.backend = build_backend(backend, self.path, kernels=kernels, adapter=self.adapter,
+                                         zero_stage=zero_stage)
         args = dict(engine_args or ENGINE_ARGS)
         if self.adapter is not None:
             ranks = [self.adapter.spec.rank(m) for m in self.adapter.weights]
@@ -150,11 +194,12 @@ class Checker:
         if mix == "both":
             mix_mismatch = sum(a.completion_ids != b.completion_ids or not torch.equal(a.logprobs, b.logprobs)
                                for a, b in zip(runs["random"], runs["alone"]))
+        labelled = [(f"{m}-{i}", s) for m, samples in runs.items() for i, s in enumerate(samples)]
+        scored = self.score([s for _, s in labelled], temperature)  # one trainer batch for every mix
         rollout_seqs, trainer_seqs = [], []
-        for m, samples in runs.items():
-            for i, (s, lp) in enumerate(zip(samples, self.score(samples, temperature))):
-                rollout_seqs.append(SequenceLogprobs(f"{m}-{i}", s.completion_ids, s.logprobs, s.prompt_ids))
-                trainer_seqs.append(SequenceLogprobs(f"{m}-{i}", s.completion_ids, lp.clone(), s.prompt_ids))
+        for (label, s), lp in zip(labelled, scored):
+            rollout_seqs.append(SequenceLogprobs(label, s.completion_ids, s.logprobs, s.prompt_ids))
+            trainer_seqs.append(SequenceLogprobs(label, s.completion_ids, lp.clone(), s.prompt_ids))
         report = compare(rollout_seqs, trainer_seqs)
         div = None
         if diagnose_failures and not report.all_equal:

@@ -37,9 +37,13 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 def launch(argv: Sequence[str], nproc: int) -> int:
     """Run `zerokl ARGV` on `nproc` ranks and wait for them (see the module docstring for the exit code)."""
+    return run_ranks([sys.executable, "-m", "zerokl.cli", *argv], nproc)
+
+
+def run_ranks(cmd: Sequence[str], nproc: int) -> int:
+    """Run `cmd` as `nproc` ranks (`rank_env`) and wait for them; the exit code as in the module docstring."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "zerokl.cli", *argv], env=rank_env(rank, nproc, port))
-             for rank in range(nproc)]
+    procs = [subprocess.Popen(list(cmd), env=rank_env(rank, nproc, port)) for rank in range(nproc)]
     try:
         while True:
             codes = [p.poll() for p in procs]

@@ -40,7 +40,8 @@ def _run_diff(args: argparse.Namespace) -> int:
 def _checker(args: argparse.Namespace, lora: str | None = None):
     from zerokl.engine_check import Checker
 
-    return Checker(args.model, kernels=args.kernels, lora=lora, backend=args.backend, zero_stage=args.zero_stage)
+    return Checker(args.model, kernels=args.kernels, lora=lora, backend=args.backend, zero_stage=args.zero_stage,
+                   tp=getattr(args, "tp", 1))
 
 
 def _prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -73,6 +74,7 @@ def _run_check(args: argparse.Namespace) -> int:
             f"{res.mix_mismatch} sequences differ between batched and alone rollouts"
     lora = f", LoRA {args.lora}" if args.lora else ""
     trainer = f"trainer deepspeed ZeRO-{args.zero_stage}, " if args.backend == "deepspeed" else ""
+    trainer += f"trainer TP = {args.tp}, " if args.tp > 1 else ""
     title = f"parity check {args.model}{lora} ({trainer}kernels {args.kernels}, batch mix {args.batch_mix})"
     rc = _emit(res.report, args, res.rollout, res.trainer, title, diagnosis)
     return rc if not res.mix_mismatch else 1
@@ -134,6 +136,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--batch-mix", choices=("random", "alone", "both"), default="both")
     c.add_argument("--lora", help="PEFT adapter directory: both sides run the model with this adapter")
     c.add_argument("--report", help="write an HTML report with the per-token plot here")
+    c.add_argument("--tp", type=positive_int, default=1,
+                   help="score with the Megatron trainer at this tensor parallelism, on as many local ranks")
     c.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the first-divergence diagnosis on failure")
     c.set_defaults(func=_run_check)

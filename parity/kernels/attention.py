@@ -7,9 +7,16 @@ from position 0 with an online softmax (running max m, running sum l, accumulato
 fully masked for a query changes nothing bit-wise (exp(-inf) = 0, rescale factor exp(0) = 1), so the
 number of tiles walked (prefill vs decode, longer neighbours in the batch) never changes a query's
 output. Masked values are zeroed before use, so stale cache contents never leak (0 * NaN).
+
+Autograd (`attention_invariant` when a gradient is needed): the forward is the tiled kernel, which also keeps each
+query's log-sum-exp; the backward recomputes the probabilities from it with plain GEMMs over the whole key range
+(the flash-attention backward, untiled): exact to fp32 rounding, deterministic, not batch-invariant, and nothing
+per key tile is saved.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +36,9 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return F.pad(x, widths)
 
 
-def attention_invariant(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q: [B, Tq, H, D], k: [B, S, H, D], v: [B, S, H, Dv] fp32; q_pos: [B, Tq] absolute positions
-    (key s is visible to a query at position p iff s <= p and s < kv_len[b]); kv_len: [B].
-    Returns o: [B, Tq, H, Dv] in q's dtype. Padded query rows must carry a position >= 0."""
-    out_dtype = q.dtype
-    q, k, v = wide(q), wide(k), wide(v)
+def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The invariant kernel on wide inputs -> (o [B, Tq, H, Dv], log-sum-exp of the scaled scores [B, H, Tq])."""
     b, tq, h, d = q.shape
     dv = v.shape[-1]
     qt = _pad_to(q, 1, Q_TILE).permute(0, 2, 1, 3)  # [B, H, Tq', D]
@@ -66,7 +68,63 @@ def attention_invariant(
         acc = acc * alpha + torch.bmm(p, vt)
         m = m_new
     o = acc / l
-    return o.view(b, h, nq * Q_TILE, dv)[:, :, :tq].permute(0, 2, 1, 3).to(out_dtype)
+    lse = (m + torch.log(l)).view(b, h, nq * Q_TILE)[:, :, :tq]
+    return o.view(b, h, nq * Q_TILE, dv)[:, :, :tq].permute(0, 2, 1, 3), lse
+
+
+def _visible(q_pos: torch.Tensor, kv_len: torch.Tensor, s_len: int) -> torch.Tensor:
+    """[B, 1, Tq, S] bool: key s visible to the query at q_pos."""
+    key_pos = torch.arange(s_len).view(1, 1, s_len)
+    return ((key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))).unsqueeze(1)
+
+
+class _Attention(torch.autograd.Function):
+    """The tiled invariant forward; a recomputing plain-GEMM backward from the saved log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                kv_len: torch.Tensor, scale: float) -> torch.Tensor:
+        o, lse = _tiled(q, k, v, q_pos, kv_len, scale)
+        ctx.save_for_backward(q, k, v, q_pos, kv_len, o, lse)
+        ctx.scale = scale
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, q_pos, kv_len, o, lse = ctx.saved_tensors
+        scale = ctx.scale
+        qh, kh, vh, oh, doh = (t.transpose(1, 2) for t in (q, k, v, o, do))  # [B, H, T, D]
+        visible = _visible(q_pos, kv_len, k.shape[1])
+        key_ok = (torch.arange(k.shape[1]).view(1, 1, -1, 1) < kv_len.view(-1, 1, 1, 1))  # stale cache rows: zeroed
+        zero = torch.zeros((), dtype=q.dtype)
+        kh, vh = torch.where(key_ok, kh, zero), torch.where(key_ok, vh, zero)
+        s = torch.matmul(qh, kh.transpose(2, 3)) * scale
+        p = torch.where(visible, torch.exp(s - lse.unsqueeze(-1)), torch.zeros((), dtype=s.dtype))
+        dv = torch.matmul(p.transpose(2, 3), doh)
+        dp = torch.matmul(doh, vh.transpose(2, 3))
+        ds = p * (dp - (doh * oh).sum(-1, keepdim=True)) * scale
+        dq = torch.matmul(ds, kh)
+        dk = torch.matmul(ds.transpose(2, 3), qh)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None
+
+
+def attention_invariant(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [B, Tq, H, D], k: [B, S, H, D], v: [B, S, H, Dv] fp32 or bf16 (k, v may have 1 head, shared by all query
+    heads); q_pos: [B, Tq] absolute positions (key s is visible to a query at position p iff s <= p and
+    s < kv_len[b]); kv_len: [B]. Returns o: [B, Tq, H, Dv] in q's dtype. Padded query rows must carry a
+    position >= 0."""
+    out_dtype = q.dtype
+    q, k, v = wide(q), wide(k), wide(v)
+    h = q.shape[2]
+    k, v = k.expand(*k.shape[:2], h, k.shape[3]), v.expand(*v.shape[:2], h, v.shape[3])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, q_pos, kv_len, scale).to(out_dtype)
+    return _tiled(q, k, v, q_pos, kv_len, scale)[0].to(out_dtype)
+
+
+
 
 
 def attention_fast(

@@ -11,13 +11,118 @@ Invariant form: the recurrence itself, one token at a time, every contraction a 
 token's output and the state after it are pure functions of the state before it and that token's
 inputs, so any split into prefill chunks and decode steps, any batch, and any resume point give the same
 bits; a serving engine may snapshot S after any token (prefix caching from any position).
+
+Autograd (`kda_invariant` when a gradient is needed): the forward runs that recurrence chunk by chunk (`CHUNK`
+tokens) and saves only the state at each chunk boundary; the backward recomputes one chunk's per-token states from
+its boundary state and back-propagates through the chunk with the closed-form gradient of each step (einsum
+contractions: exact to fp32 rounding, deterministic, not batch-invariant). Memory for the backward: the inputs plus
+T / CHUNK states instead of every token's state and intermediates.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parity.kernels.primitives import sigmoid, softplus, tree_sum, wide
+
+
+CHUNK = 64  # tokens between the states the autograd forward saves
+
+
+def _step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          scale: float, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the invariant recurrence: s [B, H, K, V], q, k, g [B, H, K], v [B, H, V], beta [B, H],
+    keep [B] bool or None -> (o [B, H, V], state after the token)."""
+    s_new = s * torch.exp(g).unsqueeze(-1)
+    kt = k.unsqueeze(-1)  # [B, H, K, 1]
+    ks = tree_sum(kt * s_new, dim=-2)  # [B, H, V]
+    u = beta.unsqueeze(-1) * (v - ks)
+    s_new = s_new + kt * u.unsqueeze(-2)
+    o = tree_sum(q.unsqueeze(-1) * s_new, dim=-2) * scale
+    if keep is not None:
+        s_new = torch.where(keep.view(-1, 1, 1, 1), s_new, s)
+        o = torch.where(keep.view(-1, 1, 1), o, torch.zeros_like(o))
+    return o, s_new
+
+
+def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+                state: torch.Tensor, valid: torch.Tensor | None,
+                boundaries: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over all tokens (wide inputs) -> (o [B, T, H, V] wide, final state); appends the state before
+    every CHUNK-th token to `boundaries` when given."""
+    outs = []
+    s = state
+    for t in range(q.shape[1]):
+        if boundaries is not None and t % CHUNK == 0:
+            boundaries.append(s)
+        o, s = _step(s, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], scale, None if valid is None else valid[:, t])
+        outs.append(o)
+    if not outs:
+        return v.new_zeros(v.shape), s
+    return torch.stack(outs, dim=1), s
+
+
+def _step_backward(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, scale: float, keep: torch.Tensor | None, do: torch.Tensor,
+                   ds_next: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Gradients of one `_step` from the state before it: (ds, dq, dk, dv, dg, dbeta) given d(o) and d(state after)."""
+    a = torch.exp(g)
+    s1 = s * a.unsqueeze(-1)
+    ks = torch.einsum("bhk,bhkv->bhv", k, s1)
+    u = beta.unsqueeze(-1) * (v - ks)
+    s2 = s1 + k.unsqueeze(-1) * u.unsqueeze(-2)
+    d_s2 = ds_next + scale * q.unsqueeze(-1) * do.unsqueeze(-2)
+    dq = scale * torch.einsum("bhkv,bhv->bhk", s2, do)
+    du = torch.einsum("bhkv,bhk->bhv", d_s2, k)
+    dk = torch.einsum("bhkv,bhv->bhk", d_s2, u)
+    dbeta = (du * (v - ks)).sum(-1)
+    dv = beta.unsqueeze(-1) * du
+    d_s1 = d_s2 - k.unsqueeze(-1) * dv.unsqueeze(-2)  # ks enters u with weight -beta
+    dk = dk - torch.einsum("bhkv,bhv->bhk", s1, dv)
+    ds = d_s1 * a.unsqueeze(-1)
+    dg = a * torch.einsum("bhkv,bhkv->bhk", d_s1, s)
+    if keep is not None:  # a padding token: state passed through, no input gradient
+        k4, k3, k2 = keep.view(-1, 1, 1, 1), keep.view(-1, 1, 1), keep.view(-1, 1)
+        zero = torch.zeros((), dtype=ds.dtype)
+        ds = torch.where(k4, ds, ds_next)
+        dq, dk, dg = (torch.where(k3, t, zero) for t in (dq, dk, dg))
+        dv, dbeta = torch.where(k3, dv, zero), torch.where(k2, dbeta, zero)
+    return ds, dq, dk, dv, dg, dbeta
+
+
+class _ChunkedKDA(torch.autograd.Function):
+    """The invariant recurrence with chunk-boundary states saved and a recomputing closed-form backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, valid: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        boundaries: list[torch.Tensor] = []
+        o, s = _recurrence(q, k, v, g, beta, scale, state, valid, boundaries)
+        ctx.save_for_backward(q, k, v, g, beta, valid, *boundaries)
+        ctx.scale = scale
+        return o, s
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, ds_final: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, g, beta, valid, *boundaries = ctx.saved_tensors
+        scale, t_len = ctx.scale, q.shape[1]
+        grads = [torch.zeros_like(t) for t in (q, k, v, g, beta)]
+        ds = ds_final
+        for c in reversed(range(len(boundaries))):
+            t0, t1 = c * CHUNK, min((c + 1) * CHUNK, t_len)
+            states = [boundaries[c]]
+            for t in range(t0, t1 - 1):  # the state before each token of the chunk
+                keep = None if valid is None else valid[:, t]
+                states.append(_step(states[-1], q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], scale, keep)[1])
+            for t in reversed(range(t0, t1)):
+                keep = None if valid is None else valid[:, t]
+                ds, *step_grads = _step_backward(states[t - t0], q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t],
+                                                 scale, keep, do[:, t], ds)
+                for grad, d in zip(grads, step_grads):
+                    grad[:, t] = d
+        return (*grads, ds, None, None)
 
 
 def kda_invariant(
@@ -35,24 +140,12 @@ def kda_invariant(
     Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32)."""
     out_dtype = v.dtype
     q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
-    outs = []
-    s = state
-    for t in range(q.shape[1]):
-        s_new = s * torch.exp(g[:, t]).unsqueeze(-1)
-        kt = k[:, t].unsqueeze(-1)  # [B, H, K, 1]
-        ks = tree_sum(kt * s_new, dim=-2)  # [B, H, V]
-        u = beta[:, t].unsqueeze(-1) * (v[:, t] - ks)
-        s_new = s_new + kt * u.unsqueeze(-2)
-        o = tree_sum(q[:, t].unsqueeze(-1) * s_new, dim=-2) * scale
-        if valid is not None:
-            keep = valid[:, t].view(-1, 1, 1, 1)
-            s_new = torch.where(keep, s_new, s)
-            o = torch.where(keep.view(-1, 1, 1), o, torch.zeros_like(o))
-        s = s_new
-        outs.append(o)
-    if not outs:
-        return v.new_zeros(v.shape, dtype=out_dtype), s
-    return torch.stack(outs, dim=1).to(out_dtype), s
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))
+    if needs_grad:
+        o, s = _ChunkedKDA.apply(q, k, v, g, beta, state, valid, scale)
+    else:
+        o, s = _recurrence(q, k, v, g, beta, scale, state, valid)
+    return o.to(out_dtype), s
 
 
 def kda_fast(

@@ -4,18 +4,31 @@ bf16: operands are upcast to fp32 (exact), every product of two bf16 values is e
 fp32 and the result is rounded to bf16 once (round to nearest even): a bf16 GEMM with fp32 accumulation,
 its order fixed by the tiling below. fp32: nothing is cast.
 
-Invariant form: rows are zero-padded to whole tiles of `TILE_ROWS` and every tile is one GEMM of the
-same fixed shape (TILE_ROWS, K) x (K, N) inside one `bmm`, so no row's reduction order depends on how
-many rows the batch has (MKL's sgemm otherwise treats the trailing `M mod 4` rows differently). That
-rows inside a tile are independent of their position in it is a property of the BLAS micro-kernel, not
-of this code: observed for MKL's paths on AVX2 and AVX-512 CPUs (`tests/test_kernels.py` runs the
-properties on each path the host has) and checked on any machine by `zerokl parity kernels`
-(`parity/host_check.py`).
+Invariant form (`tiled_matmul`): rows are zero-padded to whole tiles of `TILE_ROWS`, outputs narrower than
+`MIN_COLUMNS` are zero-padded to that width, and the reduction dim K is cut into `k_segments(K)` fixed segments
+(a function of K alone). Each segment is one `bmm` whose every GEMM has the same shape (TILE_ROWS, K/S) x (K/S, N),
+so no row's reduction order depends on how many rows the batch has (MKL's sgemm otherwise treats the trailing
+`M mod 4` rows differently); the segment partials are added by `pairwise_sum` (adjacent pairs, level by level).
+That rows inside a tile are independent of their position in it, and columns of the width of the matrix, are
+properties of the BLAS micro-kernel, not of this code: observed for MKL's paths on AVX2 and AVX-512 CPUs
+(`tests/test_kernels.py` runs the properties on each path the host has) and checked on any machine by
+`zerokl parity kernels` (`parity/host_check.py`).
+
+Tensor parallelism: a contiguous, aligned block of segments is a subtree of the pairwise sum, so a rank that holds
+K/TP of the reduction (TP dividing the segment count) computes its subtree with `tiled_matmul(x, w, segments / TP)`
+and the ranks' partials, added by `pairwise_sum` in rank order, give the one-process bits (trainer/megatron/forward.py).
+
+Autograd (`gemm`): the forward is the invariant GEMM; the backward is one plain GEMM per gradient (grad_x = g W,
+grad_W = g^T x) in fp32, each cast to its input's dtype. Gradients are exact to fp32 rounding but not
+batch-invariant; they are deterministic (the same bits on a rerun on one host). The function saves its inputs as
+given (a parameter, or the parameter a view was taken from: not its data), which ZeRO-3's release of gathered weights
+needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +37,9 @@ from parity.kernels.primitives import wide
 from parity.quant.mxfp4 import MXFP4Weight
 
 TILE_ROWS = 16
+MIN_COLUMNS = 16  # MKL's sgemm takes another path for outputs narrower than ~12 columns
+K_SEGMENTS = 8  # segments of a reduction; the tensor-parallel sizes that split one are its divisors
+MIN_SEGMENT = 8  # shorter reductions (K < K_SEGMENTS * MIN_SEGMENT, or K not a multiple of K_SEGMENTS) are one segment
 
 
 @dataclass(frozen=True)
@@ -35,28 +51,81 @@ class LoRA:
     scale: float
 
 
-def tiled_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] fp32, w: [N, K] fp32 -> [M, N]; every GEMM has shape (TILE_ROWS, K, N)."""
+def k_segments(k: int) -> int:
+    """The number of fixed segments a reduction of length `k` is cut into (a function of `k` alone)."""
+    return K_SEGMENTS if k % K_SEGMENTS == 0 and k >= K_SEGMENTS * MIN_SEGMENT else 1
+
+
+def pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + ... + parts[n-1] (n a power of two) as adjacent pairs, level by level: ((p0 + p1) + (p2 + p3)) ...
+    Any contiguous block of 2^j parts starting at a multiple of 2^j is summed as one subtree."""
+    if len(parts) & (len(parts) - 1):
+        raise ValueError(f"pairwise_sum needs a power-of-two count of parts, got {len(parts)}")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def tiled_matmul(x: torch.Tensor, w: torch.Tensor, segments: int | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K], same dtype -> x w^T [M, N] by the invariant form: `segments` (default `k_segments(K)`)
+    segment GEMMs of shape (TILE_ROWS, K / segments, max(N, MIN_COLUMNS)), added by `pairwise_sum`."""
     m, k = x.shape
     n = w.shape[0]
+    segments = k_segments(k) if segments is None else segments
     if m == 0:
         return x.new_zeros(0, n)
+    if n < MIN_COLUMNS:
+        w = F.pad(w, (0, 0, 0, MIN_COLUMNS - n))
     pad = (-m) % TILE_ROWS
     tiles = F.pad(x, (0, 0, 0, pad)).view(-1, TILE_ROWS, k)  # [n_tiles, TILE_ROWS, K]
-    out = torch.bmm(tiles, w.t().expand(tiles.shape[0], k, n))  # [n_tiles, TILE_ROWS, N]
-    return out.reshape(-1, n)[:m]
+    width = k // segments
+    parts = []
+    for s in range(segments):
+        ws = w[:, s * width : (s + 1) * width].t()  # [K/S, N]
+        parts.append(torch.bmm(tiles[..., s * width : (s + 1) * width], ws.expand(tiles.shape[0], *ws.shape)))
+    return pairwise_sum(parts).reshape(-1, w.shape[0])[:m, :n]
+
+
+class _InvariantGEMM(torch.autograd.Function):
+    """x: [M, K] fp32 (or float64), w: [N, K] (upcast here) -> x w^T [M, N] in x's dtype, unrounded."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, segments: int | None) -> torch.Tensor:
+        # A view (a head's rows of a parameter) is saved as its base and re-made in the backward, so what is kept
+        # is the parameter object itself, never its storage (ZeRO-3 frees and re-gathers that storage).
+        base = w if w._base is None else w._base
+        ctx.view = None if base is w else (w.size(), w.stride(), w.storage_offset() - base.storage_offset())
+        ctx.save_for_backward(x, base)
+        return tiled_matmul(x, w.to(x.dtype), segments)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, w_in = ctx.saved_tensors
+        if ctx.view is not None:
+            size, stride, offset = ctx.view
+            w_in = w_in.as_strided(size, stride, w_in.storage_offset() + offset)
+        gx = grad.mm(w_in.to(x.dtype)) if ctx.needs_input_grad[0] else None
+        gw = grad.t().mm(x).to(w_in.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def gemm(x: torch.Tensor, w: torch.Tensor, segments: int | None = None) -> torch.Tensor:
+    """x: [M, K] fp32 (or float64), w: [N, K] any float dtype -> x w^T [M, N] in x's dtype, unrounded: the invariant
+    forward of `tiled_matmul`, a plain-GEMM backward (module docstring)."""
+    return _InvariantGEMM.apply(x, w, segments)
 
 
 def linear_invariant(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None) -> torch.Tensor:
     """x: [..., K], w: [N, K] (or packed MXFP4, dequantised here, exactly) -> [..., N] in x's dtype;
-    base + scale * ((x A^T) B^T), each GEMM tiled, the LoRA term and the sum in fp32, one rounding to x's dtype."""
+    base + scale * ((x A^T) B^T), each GEMM invariant (`gemm`), the LoRA term and the sum in fp32, one rounding to
+    x's dtype."""
     if isinstance(w, MXFP4Weight):
         w = w.dequantize(torch.float32)
     lead = x.shape[:-1]
     x2 = wide(x.reshape(-1, x.shape[-1]))
-    y = tiled_matmul(x2, wide(w))
+    y = gemm(x2, w)
     if lora is not None:
-        y = y + tiled_matmul(tiled_matmul(x2, wide(lora.a)), wide(lora.b)) * lora.scale
+        y = y + gemm(gemm(x2, lora.a), lora.b) * lora.scale
     return y.reshape(*lead, w.shape[0]).to(x.dtype)
 
 

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_trainer_parallel.py: the K3 trainer at TP/EP = 2 against the one-process forward.
+"""torchrun worker for tests/test_trainer_parallel.py: the K3 trainer at TP/EP > 1 against the one-process forward.
 
 Run: torchrun --nproc_per_node 2 tests/dist/trainer_parallel.py --tp 2 --ep 1 --checkpoint DIR --out DIR
 Each check prints one line; any failure raises (non-zero exit). Data: with DP > 1 (EP runs) every rank scores
@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+import parity.kernels.linear as linear_kernel
 from parity.config import ModelConfig
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
@@ -22,7 +23,7 @@ from trainer.megatron.config import k3_transformer_config
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
 from trainer.megatron.modules import MegatronK3Model
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
-from trainer.megatron.sharding import shard, split_roles
+from trainer.megatron.sharding import Split, shard, split_roles
 from trainer.megatron.train import train_step, wrap
 from parity.io.checkpoint import load_checkpoint
 
@@ -63,6 +64,35 @@ def reference_grads(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], dp
     return {n: torch.zeros_like(t) if t.grad is None else t.grad for n, t in ref.tensors.items()}
 
 
+def multiplied(fn):  # noqa: ANN001, ANN201 - any call
+    """(fn(), [(activation shape, weight) of every invariant GEMM this rank ran inside fn])."""
+    seen: list[tuple[tuple[int, ...], torch.Tensor]] = []
+    whole = linear_kernel.tiled_matmul
+
+    def recording(x: torch.Tensor, w: torch.Tensor, segments: int | None = None) -> torch.Tensor:
+        seen.append((tuple(x.shape), w))
+        return whole(x, w, segments)
+
+    linear_kernel.tiled_matmul = recording
+    try:
+        return fn(), seen
+    finally:
+        linear_kernel.tiled_matmul = whole
+
+
+def row_parallel_shares(model: MegatronK3Model, seen: list, roles: dict, tp: int, full: dict) -> str:
+    """'' when every row-parallel weight was multiplied, and only as this rank's [N, K / TP] shard with [M, K / TP]
+    activations (1 / TP of its FLOPs); else what was not."""
+    for name, p in model.official_parameters().items():
+        if roles[name] is not Split.ROW:
+            continue
+        uses = [x for x, w in seen if w.data_ptr() == p.data_ptr()]
+        n, k = full[name].shape
+        if not uses or tuple(p.shape) != (n, k // tp) or any(x[-1] != k // tp for x in uses):
+            return f"{name}: weight {tuple(p.shape)}, activations {uses} (whole [{n}, {k}])"
+    return ""
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser()
@@ -87,9 +117,11 @@ def main() -> None:
     one_process = score_sequences(K3Forward(K3Weights.from_official(model_cfg.text, weights), INVARIANT), seqs,
                                   TEMPERATURE)
     trainer = wrap(model, lr=1e-3, clip_grad=CLIP_GRAD)
-    lp = token_logprobs(trainer.model, batch, TEMPERATURE)
+    lp, seen = multiplied(lambda: token_logprobs(trainer.model, batch, TEMPERATURE))
     check(all(torch.equal(lp[i, : len(s) - 1], one_process[i]) for i, s in enumerate(seqs)),
           f"{tag}: every token's log-prob equals the one-process forward (torch.equal)")
+    bad = row_parallel_shares(model, seen, split_roles(model_cfg.text), par.tp, weights)
+    check(not bad, f"{tag}: each row-parallel GEMM multiplies only this rank's K / TP share {bad}")
     lens = torch.tensor([len(s) for s in seqs])
     packed = PackedBatch(torch.tensor([t for s in seqs for t in s]), torch.cat([torch.zeros(1, dtype=torch.long),
                                                                              lens.cumsum(0)]))

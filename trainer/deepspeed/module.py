@@ -36,7 +36,6 @@ from parity.kernels import get_kernels
 from parity.kernels.linear import LoRA
 from parity.model import K3Forward, K3Weights
 from parity.weights import WeightSpec, text_names, text_specs
-from trainer.deepspeed.linear import saving_parameters
 from trainer.logprobs import padded_logprobs
 
 LOGITS = "logits"  # scope key of the final norm + lm_head
@@ -274,10 +273,9 @@ class DeepSpeedK3Model(nn.Module):
     # --- forward -------------------------------------------------------------------------------------
     def forward_fn(self) -> K3Forward:
         """The shared forward over the live parameters and adapters (scoped for ZeRO-3); its GEMMs save the parameters,
-        not their gathered data, for the backward (`trainer.deepspeed.linear`)."""
+        not their gathered data, for the backward (`parity.kernels.linear.gemm`)."""
         weights = K3Weights(self.cfg, self.official_parameters(), self.lora_terms())
-        kernels = saving_parameters(get_kernels(self.kernels))
-        return ScopedK3Forward(weights, kernels, self.runners(), self.leaf_blocks_with_grads)
+        return ScopedK3Forward(weights, get_kernels(self.kernels), self.runners(), self.leaf_blocks_with_grads)
 
     def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] fp32 (next-token aligned, zeros past

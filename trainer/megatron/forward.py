@@ -3,10 +3,14 @@
 Every arithmetic op is the parity forward's; this file only moves tensors, with Megatron's autograd-aware
 mappings, so that each token's log-prob keeps the bits of the one-process forward (`trainer/megatron/README.md`):
 
-- column-parallel projections run this rank's heads (`K3Forward` sees a config with heads / TP); a GEMM's
-  column has the same bits whatever the matrix width (measured for widths >= 12, see `trainer.megatron.sharding`);
-- row-parallel projections all-gather the input activations and the weight shards (concatenation is exact)
-  and run the whole GEMM, so the reduction order is the one-process order;
+- column-parallel projections run this rank's heads or columns (`K3Forward` sees a config with heads / TP); a
+  GEMM's column has the same bits whatever the matrix width (the invariant GEMM pads narrow outputs to
+  `parity.kernels.linear.MIN_COLUMNS`);
+- row-parallel projections compute only this rank's share of the reduction: its K / TP input features are whole
+  segments of the invariant GEMM (`parity.kernels.linear`), so the rank's fp32 partial is one subtree of the
+  GEMM's pairwise segment sum; the TP partials are all-gathered and added by the same pairwise sum in rank order,
+  then rounded once: the one-process bits at 1 / TP of the FLOPs. A LoRA on a row-parallel weight splits A the
+  same way (its x A^T is a reduction over the same K) and applies B on every rank;
 - the vocab-parallel embedding adds exact zeros; lm_head logits are all-gathered before the log-softmax;
 - routed experts (EP > 1): each (token, slot) row goes to the EP rank owning its expert (all-to-all), which
   forms weight * expert(row) with `experts_combine` (one slot per row, so each product is the one the
@@ -15,11 +19,18 @@ mappings, so that each token's log-prob keeps the bits of the one-process forwar
 
 Gradients: inside a TP region (a KDA/MLA block or a gated MLP) each rank back-propagates its heads only, so
 the region input and the region's replicated parameters are entered through `copy_to` (gradient summed over
-TP); gathers split the gradient back to the shard. With TP = EP = 1 every mapping is the identity.
+TP); gathers split the gradient back to the shard (a row-parallel output is used whole on every rank, so each
+partial's gradient is the output's). With TP = EP = 1 every mapping is the identity.
+
+Communication of a row-parallel layer with M tokens and N outputs: each rank all-gathers the TP fp32 partials,
+(TP - 1) * M * N * 4 bytes received per rank, where Megatron's all-reduce of the bf16 output moves
+2 (TP - 1) / TP * M * N * 2 bytes and its sequence-parallel reduce-scatter (TP - 1) / TP * M * N * 2: TP and 2 TP
+times as much. A fixed-order reduce-scatter of the partials followed by an all-gather of the rounded output would
+move (TP - 1) / TP * M * N * (4 + 2) bytes; not built yet.
 
 LoRA: `K3Weights.lora` holds each adapted weight's (A, B, scale) as `lora_view` places them
 (`trainer.megatron.sharding.lora_splits`); the parity linear adds scale * ((x A^T) B^T) inside the same `_lin` call
-as the base GEMM, so ROW / COLUMN_GATHERED / COLUMN handling applies to the LoRA term unchanged.
+as the base GEMM.
 """
 
 from __future__ import annotations
@@ -36,11 +47,13 @@ from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
 
 from parity.kernels import get_kernels
-from parity.kernels.linear import LoRA
+from parity.kernels.linear import LoRA, gemm, k_segments, pairwise_sum
+from parity.kernels.primitives import wide
 from parity.kernels.moe import experts_combine
 from parity.model import K3Forward, K3Weights, KDACache, MLACache
 from trainer.megatron.sharding import Split, lora_splits, split_of, split_roles
@@ -83,17 +96,12 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def parameter_view(model: ShardedModel, roles: dict[str, Split], tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
-    """Official name -> the tensor the parity forward reads: the live parameter, gathered for ROW (dim 1) and
-    COLUMN_GATHERED (dim 0) weights, entered through `copy_to` for REGION_REPLICATED ones (autograd reaches
-    every parameter)."""
+    """Official name -> the tensor the parity forward reads: the live parameter (this rank's shard), entered through
+    `copy_to` for REGION_REPLICATED ones (autograd reaches every parameter)."""
     view: dict[str, torch.Tensor] = {}
     for name, p in model.official_parameters().items():
         split = roles[name]
-        if split is Split.ROW:
-            view[name] = gather_from_tensor_model_parallel_region(p, group=tp_group)
-        elif split is Split.COLUMN_GATHERED:
-            view[name] = gather_from_sequence_parallel_region(p, tensor_parallel_output_grad=False, group=tp_group)
-        elif split is Split.REGION_REPLICATED:
+        if split is Split.REGION_REPLICATED:
             view[name] = copy_to_tp(p, tp_group)
         else:
             view[name] = p
@@ -158,19 +166,39 @@ class ParallelK3Forward(K3Forward):
         return self.embedding(ids)
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x @ W^T for the tensor `name`, by its split: ROW gathers x (the view holds W gathered), COLUMN_GATHERED
-        keeps this rank's columns of the whole GEMM, VOCAB gathers the logits; others run locally."""
+        """x @ W^T for the tensor `name`, by its split: ROW reduces over this rank's share of K (`_row`), VOCAB gathers
+        the logits; others run locally."""
         split = self.roles[name]
-        if split is Split.ROW:
-            return super()._lin(gather_from_tensor_model_parallel_region(x, group=self.tp_group), name)
-        if split is Split.COLUMN_GATHERED:
-            y = super()._lin(x, name)
-            width = y.shape[-1] // self.tp
-            return y.narrow(-1, self.tp_rank * width, width)
+        if split is Split.ROW and self.tp > 1:
+            return self._row(x, name)
         if split is Split.VOCAB:
             y = super()._lin(copy_to_tp(x, self.tp_group), name)
             return gather_from_tensor_model_parallel_region(y, group=self.tp_group)
         return super()._lin(x, name)
+
+    def _combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """The TP ranks' fp32 partials [M, N] added by `pairwise_sum` in rank order (all-gathered; the gradient of
+        each partial is the sum's)."""
+        parts = gather_from_tensor_model_parallel_region(partial, group=self.tp_group)  # [M, TP * N]
+        return pairwise_sum(list(parts.view(partial.shape[0], self.tp, -1).unbind(1)))
+
+    def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A row-parallel projection on this rank's K / TP input features x: [..., K / TP] -> [..., N], whole on every
+        rank. Invariant kernels: this rank's segments of the invariant GEMM (one subtree of its pairwise sum), the
+        partials combined in rank order, the LoRA term likewise, one rounding: the one-process bits. Fast kernels:
+        the local `F.linear` all-reduced (Megatron's row-parallel layer)."""
+        w = self.weight(name)
+        lora = self._lora(name)
+        if self.k.name == "fast":
+            return reduce_from_tensor_model_parallel_region(self.k.linear(x, w, lora), group=self.tp_group)
+        lead, k_local = x.shape[:-1], x.shape[-1]
+        segments = k_segments(k_local * self.tp) // self.tp
+        x2 = wide(x.reshape(-1, k_local))
+        y = self._combine(gemm(x2, w, segments))
+        if lora is not None:
+            a = lora.a.narrow(1, self.tp_rank * k_local, k_local)  # A is whole (gradient summed over TP)
+            y = y + gemm(self._combine(gemm(x2, a, segments)), lora.b) * lora.scale
+        return y.reshape(*lead, w.shape[0]).to(x.dtype)
 
     def _region(self, x: torch.Tensor) -> torch.Tensor:
         """Enter a TP region: identity forward, gradient summed over TP."""

@@ -18,6 +18,7 @@ from enum import Enum
 import torch
 
 from parity.config import TextConfig
+from parity.kernels.linear import k_segments
 from parity.weights import NAMES, text_specs
 
 
@@ -27,8 +28,7 @@ class Split(Enum):
     REPLICATED = "replicated"  # whole on every rank, used on replicated activations
     REGION_REPLICATED = "region_replicated"  # whole on every rank, used inside a TP region: grad summed over TP
     COLUMN = "column"  # dim 0 split (heads / MLP columns), used locally
-    COLUMN_GATHERED = "column_gathered"  # dim 0 split; the forward gathers it and computes the whole GEMM
-    ROW = "row"  # dim 1 split; the forward gathers input and weight and computes the whole GEMM
+    ROW = "row"  # dim 1 split; each rank reduces over its share of K, the partials are combined in a fixed order
     VOCAB = "vocab"  # dim 0 split over the vocabulary (embedding, lm_head)
     EXPERT = "expert"  # whole, on the EP rank that owns the expert
     HEADS_DIM2 = "heads_dim2"  # like COLUMN, split along dim 2: Kimi Linear's A_log, stored [1, 1, heads, 1]
@@ -36,13 +36,11 @@ class Split(Enum):
     @property
     def tp_dim(self) -> int | None:
         """The dim split over TP ranks, or None when every TP rank holds the whole tensor."""
-        dims = {Split.COLUMN: 0, Split.COLUMN_GATHERED: 0, Split.VOCAB: 0, Split.ROW: 1, Split.HEADS_DIM2: 2}
+        dims = {Split.COLUMN: 0, Split.VOCAB: 0, Split.ROW: 1, Split.HEADS_DIM2: 2}
         return dims.get(self)
 
 
-# Names relative to a decoder layer (`parity.weights.TextNames.layer`); `b_proj` is COLUMN_GATHERED because its
-# local width (KDA heads / TP) is below the width at which the CPU GEMM gives a column the same bits whatever the
-# matrix width (measured with MKL sgemm: outputs narrower than 12 columns take another code path).
+# Names relative to a decoder layer (`parity.weights.TextNames.layer`).
 _LAYER: dict[str, Split] = {
     "input_layernorm.weight": Split.REPLICATED,
     "post_attention_layernorm.weight": Split.REPLICATED,
@@ -59,7 +57,7 @@ _LAYER: dict[str, Split] = {
     "self_attn.g_b_proj.weight": Split.COLUMN,
     "self_attn.f_a_proj.weight": Split.REGION_REPLICATED,
     "self_attn.f_b_proj.weight": Split.COLUMN,
-    "self_attn.b_proj.weight": Split.COLUMN_GATHERED,
+    "self_attn.b_proj.weight": Split.COLUMN,
     "self_attn.dt_bias": Split.COLUMN,
     "self_attn.A_log": Split.COLUMN,
     "self_attn.q_conv1d.weight": Split.COLUMN,
@@ -142,15 +140,18 @@ def lora_splits(base: Split) -> tuple[Split, Split]:
 
     - COLUMN: A whole (used inside the TP region: gradient summed over TP), B split by rows like the base,
       so each rank adds the LoRA term of its own output columns;
-    - COLUMN_GATHERED, REGION_REPLICATED: both whole, used inside a TP region (gradients summed over TP);
-    - ROW, REPLICATED: both whole; every rank computes the whole term (the ROW forward gathers its input), so
-      every rank holds the whole gradient.
+    - REGION_REPLICATED: both whole, used inside a TP region (gradients summed over TP);
+    - ROW: both whole; each rank reduces over its own columns of A (gradient summed over TP), the partial x A^T are
+      combined and every rank applies the whole B (so every rank holds B's whole gradient);
+    - REPLICATED: both whole; every rank computes the whole term and holds the whole gradient.
     VOCAB (embedding, lm_head) and EXPERT weights take no LoRA."""
     if base is Split.COLUMN:
         return Split.REGION_REPLICATED, Split.COLUMN
-    if base in (Split.COLUMN_GATHERED, Split.REGION_REPLICATED):
+    if base is Split.REGION_REPLICATED:
         return Split.REGION_REPLICATED, Split.REGION_REPLICATED
-    if base in (Split.ROW, Split.REPLICATED):
+    if base is Split.ROW:
+        return Split.REGION_REPLICATED, Split.REPLICATED
+    if base is Split.REPLICATED:
         return Split.REPLICATED, Split.REPLICATED
     raise ValueError(f"a {base.value} weight takes no LoRA")
 
@@ -168,6 +169,12 @@ def check_divisible(cfg: TextConfig, tp: int, ep: int) -> None:
     for field, (size, parts) in need.items():
         if size % parts:
             raise ValueError(f"{field} = {size} is not divisible by the parallel size {parts}")
+    if tp > 1:
+        for name, spec in text_specs(cfg).items():
+            k = spec.shape[-1]
+            if split_of(name) is Split.ROW and k_segments(k) % tp:
+                raise ValueError(f"{name}: its {k} input features form {k_segments(k)} fixed reduction segment(s) "
+                                 f"(parity.kernels.linear.k_segments), which TP = {tp} does not divide")
 
 
 def shard(name: str, full: torch.Tensor, split: Split, tp_rank: int, tp: int) -> torch.Tensor:
