@@ -34,12 +34,12 @@ import torch
 
 from parity.config import TextConfig
 from parity.kernels import Kernels
-from parity.kernels.linear import LoRA
+from parity.kernels.linear import LoRA, k_segments
 from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import wide
 from parity.quant import fp8, mxfp4
 from parity.quant.mxfp4 import MXFP4Weight
-from parity.weights import is_quantized, packed_names, text_names, text_specs
+from parity.weights import is_quantized, is_row_parallel, packed_names, text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
 
@@ -152,6 +152,7 @@ class K3Forward:
         specs = text_specs(weights.cfg)
         self._to_bf16 = frozenset(n for n, s in specs.items() if not s.fp32) if bf16 else frozenset()
         self._quantized = frozenset(n for n in specs if is_quantized(weights.cfg, n))
+        self._row_parallel = frozenset(n for n in specs if is_row_parallel(n))
 
     # --- building blocks ------------------------------------------------------------------------
     def weight(self, name: str) -> torch.Tensor | MXFP4Weight:
@@ -174,6 +175,10 @@ class K3Forward:
         return LoRA(bf16_values(lora.a), bf16_values(lora.b), lora.scale)
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x W^T (+ LoRA) for the tensor `name`; a row-parallel projection reduces over fixed K segments (so a TP
+        rank can compute its share with these bits: `parity.kernels.linear`)."""
+        if name in self._row_parallel:
+            return self.k.linear(x, self.weight(name), self._lora(name), segments=k_segments(x.shape[-1]))
         return self.k.linear(x, self.weight(name), self._lora(name))
 
     def _norm(self, x: torch.Tensor, name: str, eps: float | None = None) -> torch.Tensor:

@@ -242,11 +242,22 @@ def text_specs(c: TextConfig) -> dict[str, WeightSpec]:
 
 _ROUTED_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 
+# Names relative to a decoder layer of the projections whose reduction (input) dim tensor parallelism splits
+# (Megatron's row-parallel layers: the output projections of attention and of the gated MLPs). Their GEMMs add fixed
+# K segments (`parity.kernels.linear.k_segments`), so a TP rank can compute its share of the sum with the
+# one-process bits; every other GEMM is one segment.
+ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "block_sparse_moe.shared_experts.down_proj.weight")
+
 
 def is_quantized(c: TextConfig, name: str) -> bool:
     """Whether text tensor `name` (a `text_specs` name) is stored packed: the routed experts' w1/w3/w2 of an MXFP4
     checkpoint (K3 ships only those in MXFP4; every other linear stays in the model dtype)."""
     return c.expert_format == "mxfp4" and _ROUTED_EXPERT.search(name) is not None
+
+
+def is_row_parallel(name: str) -> bool:
+    """Whether text tensor `name` (a `text_specs` name of either family) is one of the `ROW_PARALLEL` projections."""
+    return any(name.endswith(f".{rel}") and ".layers." in name for rel in ROW_PARALLEL)
 
 
 def packed_names(name: str) -> tuple[str, str]:

@@ -458,7 +458,7 @@ def test_linear_row_parallel_partials_combine_to_the_whole_gemm_bits() -> None:
         x, w = torch.randn(37, k, generator=g), torch.randn(n, k, generator=g)
         for dtype in (torch.float32, torch.bfloat16):
             xd, wd = x.to(dtype).float(), w.to(dtype).float()
-            whole = tiled_matmul(xd, wd)
+            whole = tiled_matmul(xd, wd, 8)
             for tp in (2, 4, 8):
                 parts = [tiled_matmul(xs, ws, 8 // tp) for xs, ws in zip(xd.chunk(tp, 1), wd.chunk(tp, 1))]
                 assert torch.equal(pairwise_sum(parts), whole), (k, n, dtype, tp)
@@ -490,8 +490,8 @@ def test_fast_backwards_match_float64_autograd_and_rerun_bitwise() -> None:
     g = torch.Generator().manual_seed(4)
     x, w, a, b = (torch.randn(*s, generator=g) for s in ((3, 21, 96), (40, 96), (4, 96), (40, 4)))
 
-    def lin(x, w, a, b):
-        return INVARIANT.linear(x, w, LoRA(a, b, 0.5))
+    def lin(x, w, a, b):  # the segmented form of a row-parallel projection
+        return INVARIANT.linear(x, w, LoRA(a, b, 0.5), segments=k_segments(96))
 
     def lin_ref(x, w, a, b):
         return x @ w.t() + (x @ a.t()) @ b.t() * 0.5

@@ -48,21 +48,28 @@ def test_cli_fast_kernels_fail_with_report(ckpt: Path, tmp_path: Path) -> None:
     assert img.size[0] > 400 and len(set(img.tobytes())) > 20
 
 
-def test_cli_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["parity", "check", "--model", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "not a checkpoint directory" in err and "Traceback" not in err
+def test_cli_user_errors(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One `zerokl: error:` line, exit 2, before any engine or rank starts."""
+    cases = [(["--model", str(tmp_path)], "not a checkpoint directory"),
+             (["--model", str(ckpt), "--tp", "3"], "--tp 3: linear_attn_config.num_heads = 4 is not divisible"),
+             (["--model", str(ckpt), "--tp", "2", "--backend", "deepspeed"], "the deepspeed backend has none")]
+    for args, message in cases:
+        assert main(["parity", "check", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
 
 
-def test_cli_lora_check_is_bitwise(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The issue's acceptance command: both sides with a PEFT adapter (scale 3/8), 8 prompts x 16 tokens."""
+def test_cli_lora_check_at_tp2_is_bitwise(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both sides with a PEFT adapter on every supported module (scale 3/8), 8 prompts x 16 tokens, the trainer at
+    TP = 2 on two ranks (row-parallel layers and their LoRA A reduced over each rank's half of K only)."""
     adapter = tmp_path / "adapter"
     assert main(["lora", "init", "--model", str(ckpt), "--out", str(adapter), "--rank", "8", "--alpha", "3",
                  "--seed", "7"]) == 0
     assert main(["parity", "check", "--model", str(ckpt), "--lora", str(adapter), "--num-prompts", "8",
-                 "--max-tokens", "16", "--batch-mix", "both", "--json", str(tmp_path / "r.json")]) == 0
+                 "--max-tokens", "16", "--batch-mix", "both", "--tp", "2", "--json", str(tmp_path / "r.json")]) == 0
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["bitwise_equal"] == data["tokens"] > 0
+    assert "scoring 16 sequences with the trainer at TP = 2" in capsys.readouterr().out  # 8 prompts, 2 mixes
     capsys.readouterr()
     assert main(["parity", "check", "--model", str(ckpt), "--lora", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err

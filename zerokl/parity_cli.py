@@ -1,7 +1,8 @@
 """`zerokl parity ...`: compare log-probs and say where they diverge.
 
 - `check`: sample with the vLLM rollout engine, score the same tokens with the trainer (`--backend megatron`, the
-  default, or `deepspeed` at `--zero-stage 2|3`, one process), compare.
+  default, in this process or at `--tp N` on N local ranks; or `deepspeed` at `--zero-stage 2|3`, one process),
+  compare.
 - `selftest`: one-ulp weight perturbations on the rollout side only must be detected and localised.
 - `diff A.jsonl B.jsonl`: compare two dumps from any source (A is the rollout / behaviour side).
 - `kernels`: the CPU kernel invariances that rest on this host's BLAS and SIMD kernels, checked here.

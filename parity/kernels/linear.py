@@ -5,10 +5,12 @@ fp32 and the result is rounded to bf16 once (round to nearest even): a bf16 GEMM
 its order fixed by the tiling below. fp32: nothing is cast.
 
 Invariant form (`tiled_matmul`): rows are zero-padded to whole tiles of `TILE_ROWS`, outputs narrower than
-`MIN_COLUMNS` are zero-padded to that width, and the reduction dim K is cut into `k_segments(K)` fixed segments
-(a function of K alone). Each segment is one `bmm` whose every GEMM has the same shape (TILE_ROWS, K/S) x (K/S, N),
-so no row's reduction order depends on how many rows the batch has (MKL's sgemm otherwise treats the trailing
-`M mod 4` rows differently); the segment partials are added by `pairwise_sum` (adjacent pairs, level by level).
+`MIN_COLUMNS` are zero-padded to that width, and the reduction dim K is cut into S segments: one, or for the
+projections tensor parallelism splits along K (`parity.weights.ROW_PARALLEL`, passed `segments=k_segments(K)` by the
+model) a fixed count that depends on K alone. Each segment is one `bmm` whose every GEMM has the same shape
+(TILE_ROWS, K/S) x (K/S, N), so no row's reduction order depends on how many rows the batch has (MKL's sgemm
+otherwise treats the trailing `M mod 4` rows differently); the segment partials are added by `pairwise_sum`
+(adjacent pairs, level by level).
 That rows inside a tile are independent of their position in it, and columns of the width of the matrix, are
 properties of the BLAS micro-kernel, not of this code: observed for MKL's paths on AVX2 and AVX-512 CPUs
 (`tests/test_kernels.py` runs the properties on each path the host has) and checked on any machine by
@@ -66,31 +68,34 @@ def pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0]
 
 
-def tiled_matmul(x: torch.Tensor, w: torch.Tensor, segments: int | None = None) -> torch.Tensor:
-    """x: [M, K], w: [N, K], same dtype -> x w^T [M, N] by the invariant form: `segments` (default `k_segments(K)`)
-    segment GEMMs of shape (TILE_ROWS, K / segments, max(N, MIN_COLUMNS)), added by `pairwise_sum`."""
+def tiled_matmul(x: torch.Tensor, w: torch.Tensor, segments: int = 1) -> torch.Tensor:
+    """x: [M, K], w: [N, K], same dtype -> x w^T [M, N] by the invariant form: `segments` segment GEMMs of shape
+    (TILE_ROWS, K / segments, max(N, MIN_COLUMNS)), added by `pairwise_sum`."""
     m, k = x.shape
     n = w.shape[0]
-    segments = k_segments(k) if segments is None else segments
     if m == 0:
         return x.new_zeros(0, n)
     if n < MIN_COLUMNS:
         w = F.pad(w, (0, 0, 0, MIN_COLUMNS - n))
     pad = (-m) % TILE_ROWS
     tiles = F.pad(x, (0, 0, 0, pad)).view(-1, TILE_ROWS, k)  # [n_tiles, TILE_ROWS, K]
-    width = k // segments
-    parts = []
-    for s in range(segments):
-        ws = w[:, s * width : (s + 1) * width].t()  # [K/S, N]
-        parts.append(torch.bmm(tiles[..., s * width : (s + 1) * width], ws.expand(tiles.shape[0], *ws.shape)))
-    return pairwise_sum(parts).reshape(-1, w.shape[0])[:m, :n]
+    if segments == 1:
+        out = torch.bmm(tiles, w.t().expand(tiles.shape[0], k, w.shape[0]))
+    else:
+        width = k // segments
+        parts = []
+        for s in range(segments):
+            ws = w[:, s * width : (s + 1) * width].t()  # [K/S, N]
+            parts.append(torch.bmm(tiles[..., s * width : (s + 1) * width], ws.expand(tiles.shape[0], *ws.shape)))
+        out = pairwise_sum(parts)
+    return out.reshape(-1, w.shape[0])[:m, :n]
 
 
 class _InvariantGEMM(torch.autograd.Function):
     """x: [M, K] fp32 (or float64), w: [N, K] (upcast here) -> x w^T [M, N] in x's dtype, unrounded."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, segments: int | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, segments: int) -> torch.Tensor:
         # A view (a head's rows of a parameter) is saved as its base and re-made in the backward, so what is kept
         # is the parameter object itself, never its storage (ZeRO-3 frees and re-gathers that storage).
         base = w if w._base is None else w._base
@@ -109,28 +114,33 @@ class _InvariantGEMM(torch.autograd.Function):
         return gx, gw, None
 
 
-def gemm(x: torch.Tensor, w: torch.Tensor, segments: int | None = None) -> torch.Tensor:
+def gemm(x: torch.Tensor, w: torch.Tensor, segments: int = 1) -> torch.Tensor:
     """x: [M, K] fp32 (or float64), w: [N, K] any float dtype -> x w^T [M, N] in x's dtype, unrounded: the invariant
     forward of `tiled_matmul`, a plain-GEMM backward (module docstring)."""
-    return _InvariantGEMM.apply(x, w, segments)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _InvariantGEMM.apply(x, w, segments)
+    return tiled_matmul(x, w.to(x.dtype), segments)
 
 
-def linear_invariant(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None) -> torch.Tensor:
+def linear_invariant(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None,
+                     segments: int = 1) -> torch.Tensor:
     """x: [..., K], w: [N, K] (or packed MXFP4, dequantised here, exactly) -> [..., N] in x's dtype;
-    base + scale * ((x A^T) B^T), each GEMM invariant (`gemm`), the LoRA term and the sum in fp32, one rounding to
-    x's dtype."""
+    base + scale * ((x A^T) B^T), each GEMM invariant (`gemm`; the two reductions over K in `segments` segments), the
+    LoRA term and the sum in fp32, one rounding to x's dtype."""
     if isinstance(w, MXFP4Weight):
         w = w.dequantize(torch.float32)
     lead = x.shape[:-1]
     x2 = wide(x.reshape(-1, x.shape[-1]))
-    y = gemm(x2, w)
+    y = gemm(x2, w, segments)
     if lora is not None:
-        y = y + gemm(gemm(x2, lora.a), lora.b) * lora.scale
+        y = y + gemm(gemm(x2, lora.a, segments), lora.b) * lora.scale
     return y.reshape(*lead, w.shape[0]).to(x.dtype)
 
 
-def linear_fast(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None) -> torch.Tensor:
-    """Plain `F.linear` in x's dtype (row bits depend on the batch's row count)."""
+def linear_fast(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None,
+                segments: int = 1) -> torch.Tensor:
+    """Plain `F.linear` in x's dtype (row bits depend on the batch's row count; no fixed K order, so `segments` has no
+    meaning here)."""
     if isinstance(w, MXFP4Weight):
         w = w.dequantize(x.dtype)
     y = F.linear(x, w.to(x.dtype))

@@ -19,7 +19,7 @@ import torch
 
 from parity.config import TextConfig
 from parity.kernels.linear import k_segments
-from parity.weights import NAMES, text_specs
+from parity.weights import NAMES, ROW_PARALLEL, text_specs
 
 
 class Split(Enum):
@@ -64,8 +64,7 @@ _LAYER: dict[str, Split] = {
     "self_attn.k_conv1d.weight": Split.COLUMN,
     "self_attn.v_conv1d.weight": Split.COLUMN,
     "self_attn.o_norm.weight": Split.REGION_REPLICATED,
-    "self_attn.o_proj.weight": Split.ROW,
-    # MLA (q_proj, g_proj and o_proj as above)
+    # MLA (q_proj and g_proj as above; o_proj is row-parallel like KDA's)
     "self_attn.q_a_proj.weight": Split.REGION_REPLICATED,
     "self_attn.q_a_layernorm.weight": Split.REGION_REPLICATED,
     "self_attn.q_b_proj.weight": Split.COLUMN,
@@ -75,7 +74,6 @@ _LAYER: dict[str, Split] = {
     # dense MLP and LatentMoE
     "mlp.gate_proj.weight": Split.COLUMN,
     "mlp.up_proj.weight": Split.COLUMN,
-    "mlp.down_proj.weight": Split.ROW,
     "block_sparse_moe.gate.weight": Split.REPLICATED,
     "block_sparse_moe.gate.e_score_correction_bias": Split.REPLICATED,
     "block_sparse_moe.routed_expert_down_proj.weight": Split.REPLICATED,
@@ -83,8 +81,8 @@ _LAYER: dict[str, Split] = {
     "block_sparse_moe.routed_expert_up_proj.weight": Split.REPLICATED,
     "block_sparse_moe.shared_experts.gate_proj.weight": Split.COLUMN,
     "block_sparse_moe.shared_experts.up_proj.weight": Split.COLUMN,
-    "block_sparse_moe.shared_experts.down_proj.weight": Split.ROW,
 }
+_LAYER.update({name: Split.ROW for name in ROW_PARALLEL})  # the projections whose GEMMs parity.model segments along K
 # Per family: entries that differ from `_LAYER` (tensors whose stored shape differs between the families).
 _FAMILY_LAYER: dict[str, dict[str, Split]] = {"kimi_linear": {"self_attn.A_log": Split.HEADS_DIM2}}
 _TOP: dict[str, Split] = {

@@ -270,9 +270,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor 
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None, segments: int = 1) -> torch.Tensor:
     """x: [..., K], w: [N, K] (fp32, bf16 or packed MXFP4) -> [..., N] in x's dtype: x W^T + ((x A^T) B^T) * scale.
-    Operands of different dtypes run in fp32 (the bf16 one upcast exactly); MXFP4 with fp32 x is dequantised first."""
+    Operands of different dtypes run in fp32 (the bf16 one upcast exactly); MXFP4 with fp32 x is dequantised first.
+    `segments` (the CPU kernel's K segmentation of row-parallel projections) does not apply: this GEMM always adds
+    its own fixed K segments (`gemm_config`), which a GPU tensor-parallel split would have to follow."""
     out_dtype = x.dtype
     if isinstance(w, MXFP4Weight) and x.dtype != torch.bfloat16:
         w = w.dequantize(x.dtype)
