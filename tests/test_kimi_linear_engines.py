@@ -98,8 +98,10 @@ def test_a_log_splits_over_heads_on_dim_2(ckpt: Path) -> None:
 
 
 def test_trainer_tp2_ep2(ckpt: Path, tmp_path: Path) -> None:
+    from test_trainer_parallel import CHECKS
+
     torchrun_checks(REPO / "tests" / "dist" / "trainer_parallel.py",
-                    ["--tp", "2", "--ep", "2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")], 7)
+                    ["--tp", "2", "--ep", "2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")], CHECKS)
 
 
 def test_parity_check_command_is_bitwise(ckpt: Path, tmp_path: Path) -> None:

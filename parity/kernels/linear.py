@@ -20,9 +20,12 @@ Tensor parallelism: a contiguous, aligned block of segments is a subtree of the 
 K/TP of the reduction (TP dividing the segment count) computes its subtree with `tiled_matmul(x, w, segments / TP)`
 and the ranks' partials, added by `pairwise_sum` in rank order, give the one-process bits (trainer/megatron/forward.py).
 
-Autograd (`gemm`): the forward is the invariant GEMM; the backward is one plain GEMM per gradient (grad_x = g W,
-grad_W = g^T x) in fp32, each cast to its input's dtype. Gradients are exact to fp32 rounding but not
-batch-invariant; they are deterministic (the same bits on a rerun on one host). The function saves its inputs as
+Autograd (`gemm`): the forward is the invariant GEMM; the backward is one tiled GEMM per gradient in fp32, each cast
+to its input's dtype: grad_x = g W (rows: tokens) and grad_W = g^T x (rows: output channels, the reduction over all
+tokens in one GEMM: no [tiles, K, N] partials). Plain sgemm would do, but MKL gives its products with few rows or a
+short reduction other bits on another thread count. Gradients are exact to fp32 rounding, not batch-invariant, and
+deterministic: the same bits on a rerun, on any thread count (observed for MKL, like the forward's properties). The
+function saves its inputs as
 given (a parameter, or the parameter a view was taken from: not its data), which ZeRO-3's release of gathered weights
 needs.
 """
@@ -109,8 +112,10 @@ class _InvariantGEMM(torch.autograd.Function):
         if ctx.view is not None:
             size, stride, offset = ctx.view
             w_in = w_in.as_strided(size, stride, w_in.storage_offset() + offset)
-        gx = grad.mm(w_in.to(x.dtype)) if ctx.needs_input_grad[0] else None
-        gw = grad.t().mm(x).to(w_in.dtype) if ctx.needs_input_grad[1] else None
+        # Both through the tiled GEMM (rows: tokens for grad_x, output channels for grad_W; K: N, resp. the tokens):
+        # MKL's plain sgemm gives products with few rows or a short reduction other bits on another thread count.
+        gx = tiled_matmul(grad, w_in.to(x.dtype).t()) if ctx.needs_input_grad[0] else None
+        gw = tiled_matmul(grad.t(), x.t()).to(w_in.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None
 
 

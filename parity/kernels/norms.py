@@ -7,17 +7,42 @@ vLLM's: RMSNorm rounds the normalised value to the input dtype before the weight
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
 from parity.kernels.primitives import sigmoid, tree_sum, wide
 
 L2_EPS = 1e-6
 
 
+def _rsqrt_ms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x^2) + eps) per row, [..., 1]; the mean is a `tree_sum`, so each row is batch-independent."""
+    return torch.rsqrt(tree_sum(xf * xf) / xf.shape[-1] + eps).unsqueeze(-1)
+
+
+class _Normalised(torch.autograd.Function):
+    """x * r in fp32, r = rsqrt(mean(x^2) + eps); backward r (g - y mean(g y)), saving x (in its dtype) and r."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
+        r = _rsqrt_ms(wide(x), eps)
+        ctx.save_for_backward(x, r)
+        return wide(x) * r
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x, r = ctx.saved_tensors
+        y = wide(x) * r
+        return (r * (grad - y * (grad * y).mean(-1, keepdim=True))).to(x.dtype), None
+
+
 def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) in fp32; the mean is a `tree_sum`, so each row is batch-independent."""
+    """x * rsqrt(mean(x^2) + eps) in fp32 (`_rsqrt_ms`); under autograd it saves only x and the per-row scale."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Normalised.apply(x, eps)
     xf = wide(x)
-    ms = tree_sum(xf * xf) / x.shape[-1]
-    return xf * torch.rsqrt(ms + eps).unsqueeze(-1)
+    return xf * _rsqrt_ms(xf, eps)
 
 
 def rmsnorm_invariant(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -14,15 +14,38 @@ Reductions: `torch.sum` picks its vectorisation (and so its summation order) fro
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)) from layout-invariant primitives, via e = exp(-|x|) so that neither the value
-    nor its gradient overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below."""
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     e = torch.exp(-x.abs())
     return torch.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+class _Sigmoid(torch.autograd.Function):
+    """The invariant sigmoid; backward g * s * (1 - s) from the saved output alone."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        s = _sigmoid(x)
+        ctx.save_for_backward(s)
+        return s
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (s,) = ctx.saved_tensors
+        return grad * s * (1.0 - s)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) from layout-invariant primitives, via e = exp(-|x|) so that neither the value
+    nor its gradient overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below. Under autograd it saves only its output."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Sigmoid.apply(x)
+    return _sigmoid(x)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
