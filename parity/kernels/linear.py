@@ -45,7 +45,6 @@ TILE_ROWS = 16
 MIN_COLUMNS = 16  # MKL's sgemm takes another path for outputs narrower than ~12 columns
 K_SEGMENTS = 8  # segments of a reduction; the tensor-parallel sizes that split one are its divisors
 MIN_SEGMENT = 8  # shorter reductions (K < K_SEGMENTS * MIN_SEGMENT, or K not a multiple of K_SEGMENTS) are one segment
-FEW_TILES = 4  # up to this many row tiles a segmented GEMM is one bmm (same GEMMs, same bits; fewer calls in decode)
 
 
 @dataclass(frozen=True)
@@ -86,12 +85,8 @@ def tiled_matmul(x: torch.Tensor, w: torch.Tensor, segments: int = 1) -> torch.T
     n_tiles, n_out = tiles.shape[0], w.shape[0]
     if segments == 1:
         out = torch.bmm(tiles, w.t().expand(n_tiles, k, n_out))
-    elif n_tiles <= FEW_TILES:  # decode: one bmm over (tile, segment), the weight's segments copied once per tile
-        width = k // segments
-        xs = tiles.view(n_tiles, TILE_ROWS, segments, width).transpose(1, 2).reshape(-1, TILE_ROWS, width)
-        ws = w.t().reshape(segments, width, n_out).expand(n_tiles, segments, width, n_out).reshape(-1, width, n_out)
-        out = pairwise_sum(list(torch.bmm(xs, ws).view(n_tiles, segments, TILE_ROWS, n_out).unbind(1)))
-    else:  # one bmm per segment over every tile
+    else:  # one bmm per segment over every tile (the weight's segment expanded, never copied: a copied weight
+        # batch takes another path in MKL_CBWR=COMPATIBLE mode and changes the bits)
         width = k // segments
         parts = []
         for s in range(segments):

@@ -189,15 +189,16 @@ class ParallelK3Forward(K3Forward):
         the local `F.linear` all-reduced (Megatron's row-parallel layer)."""
         w = self.weight(name)
         lora = self._lora(name)
-        if self.k.name == "fast":
-            return reduce_from_tensor_model_parallel_region(self.k.linear(x, w, lora), group=self.tp_group)
         lead, k_local = x.shape[:-1], x.shape[-1]
+        if lora is not None:  # A is whole (gradient summed over TP): this rank's columns
+            lora = LoRA(lora.a.narrow(1, self.tp_rank * k_local, k_local), lora.b, lora.scale)
+        if self.k.name == "fast":  # (x_r A_r^T) B^T summed over r is the whole LoRA term
+            return reduce_from_tensor_model_parallel_region(self.k.linear(x, w, lora), group=self.tp_group)
         segments = k_segments(k_local * self.tp) // self.tp
         x2 = wide(x.reshape(-1, k_local))
         y = self._combine(gemm(x2, w, segments))
         if lora is not None:
-            a = lora.a.narrow(1, self.tp_rank * k_local, k_local)  # A is whole (gradient summed over TP)
-            y = y + gemm(self._combine(gemm(x2, a, segments)), lora.b) * lora.scale
+            y = y + gemm(self._combine(gemm(x2, lora.a, segments)), lora.b) * lora.scale
         return y.reshape(*lead, w.shape[0]).to(x.dtype)
 
     def _region(self, x: torch.Tensor) -> torch.Tensor:
