@@ -39,28 +39,17 @@ from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import wide
 from parity.quant import fp8, mxfp4
 from parity.quant.mxfp4 import MXFP4Weight
+from parity.quant.ste import straight_through
 from parity.weights import is_quantized, is_row_parallel, packed_names, text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
 
 
-class _RoundToBF16(torch.autograd.Function):
-    """fp32 in, fp32 out holding the bf16 rounding (nearest even) of each value; the gradient passes through in fp32,
-    so a master weight's gradient is never rounded to bf16 (Megatron keeps its main grads in fp32 the same way)."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, w: torch.Tensor) -> torch.Tensor:
-        return w.to(torch.bfloat16).to(w.dtype)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 def bf16_values(w: torch.Tensor) -> torch.Tensor:
     """`w` as the bf16 compute copy sees it: a bf16 tensor as it is; a wider master rounded to bf16 values, kept in
-    its dtype with a straight-through gradient. The kernels upcast bf16 operands, so both give the same bits."""
-    return w if w.dtype == torch.bfloat16 else _RoundToBF16.apply(w)
+    its dtype with a straight-through gradient in fp32 (Megatron keeps its main grads in fp32 the same way). The kernels
+    upcast bf16 operands, so both give the same bits."""
+    return w if w.dtype == torch.bfloat16 else straight_through(w, lambda t: t.to(torch.bfloat16).to(t.dtype))
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from parity.kernels.primitives import wide
+from parity.quant.ste import straight_through
 
 E4M3_MAX = 448.0
 LATENT_SCALE = 1.0  # vLLM's K3 k_scale
@@ -26,19 +27,7 @@ def dequantize(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.float() * LATENT_SCALE).to(dtype)
 
 
-class _RoundTrip(torch.autograd.Function):
-    """Forward: the value the FP8 cache gives back for x; backward: straight through."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
-        return dequantize(quantize(x), x.dtype)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 def round_trip(x: torch.Tensor) -> torch.Tensor:
     """x as an FP8 latent cache stores and returns it, in x's dtype; differentiable (straight-through), so a trainer
     attends over the same quantised latents as the rollout and still back-propagates into the latent projection."""
-    return _RoundTrip.apply(x)
+    return straight_through(x, lambda t: dequantize(quantize(t), t.dtype))

@@ -26,6 +26,8 @@ from types import ModuleType
 
 import torch
 
+from parity.quant.ste import straight_through
+
 GROUP = 32
 E2M1_MAX = 6.0
 MAX_EXPONENT = 125  # 6 * 2^125 is the largest dequantised value that fp32 and bf16 hold; a larger scale overflows
@@ -123,21 +125,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return values.reshape(*lead, k).to(dtype)
 
 
-class _FakeQuant(torch.autograd.Function):
-    """Forward: dequantize(quantize(w)) in w's dtype (exact); backward: the gradient passes straight through to w,
-    unrounded (the quantisation-aware training rule)."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, w: torch.Tensor, name: str) -> torch.Tensor:
-        return quantize(w, name).dequantize(w.dtype)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
 def fake_quantize(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """The values the rollout engine computes with after a sync of master weight `w` (in w's dtype; the kernels
     upcast bf16 operands, so these give the packed weights' bits), differentiable (straight-through) so the
     trainer's forward is quantisation-aware."""
-    return _FakeQuant.apply(w, name)
+    return straight_through(w, lambda t: quantize(t, name).dequantize(t.dtype))
