@@ -513,9 +513,6 @@ def test_fast_backwards_match_float64_autograd_and_rerun_bitwise() -> None:
     bf16 = _grads(lambda x, *ws: lin(x.to(torch.bfloat16), *ws), [x, w, a, b], torch.float32)
     _assert_grads_close(bf16, ref, 2e-2, "linear, bf16 activations")
     assert _same_bits_on_another_thread_count(lin, [x, w, a, b])
-    if os.environ.get("ZEROKL_ISA_PATH") != "baseline":  # MKL_CBWR=COMPATIBLE: a one-tile GEMM's forward itself
-        few_rows = [x[:1, :5], w, a, b]  # changes with the thread count (parity/README.md); plain sgemm's did natively
-        assert _same_bits_on_another_thread_count(lin, few_rows)
 
     t = CHUNK * 2 + 7
     q, k = (F.normalize(torch.randn(2, t, 2, 8, generator=g), dim=-1) for _ in range(2))
