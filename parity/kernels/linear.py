@@ -123,7 +123,7 @@ class _InvariantGEMM(torch.autograd.Function):
 
 def gemm(x: torch.Tensor, w: torch.Tensor, segments: int = 1) -> torch.Tensor:
     """x: [M, K] fp32 (or float64), w: [N, K] any float dtype -> x w^T [M, N] in x's dtype, unrounded: the invariant
-    forward of `tiled_matmul`, a plain-GEMM backward (module docstring)."""
+    forward of `tiled_matmul`, one tiled GEMM per gradient in the backward (module docstring)."""
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _InvariantGEMM.apply(x, w, segments)
     return tiled_matmul(x, w.to(x.dtype), segments)
