@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from lora.adapter import Adapter, pair_tensors
 from lora.init import peft_default_adapter, random_adapter
+from rollout.paged_pool import PagedLatentPool
 from parity.config import ModelConfig, TextConfig, load_model_config
 from parity.kernels import get_kernels
-from parity.kernels.attention import gather_paged
 from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
 from parity.weights import text_specs
 from parity.io.checkpoint import random_weights
@@ -299,30 +299,6 @@ def flip_one_bit(bundle: WeightBundle) -> WeightBundle:
 
 # --- step 3: the serving schedule -------------------------------------------------------------------
 
-class PagedLatents:
-    """`parity.model.MLACache`'s interface over a paged block pool shared by a batch of requests: each request
-    owns `per_request` blocks drawn in shuffled order, unwritten slots hold NaN; `latent` gathers through the
-    block table as a paged attention backend does."""
-
-    def __init__(self, batch: int, width: int, block: int, per_request: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.pool = torch.full((batch * per_request, block, width), float("nan"), device=device, dtype=dtype)
-        self.table = torch.randperm(batch * per_request, device=device).view(batch, per_request)
-        self.length = torch.zeros(batch, dtype=torch.long, device=device)
-        self.block = block
-
-    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
-        """Write `new[b, :lens[b]]` after row b's current end."""
-        for b, (start, n) in enumerate(zip(self.length.tolist(), lens.tolist())):
-            slots = torch.arange(start, start + n, device=self.pool.device)
-            self.pool[self.table[b, slots // self.block], slots % self.block] = new[b, :n]
-        self.length = self.length + lens
-
-    @property
-    def latent(self) -> torch.Tensor:
-        return gather_paged(self.pool, self.table, self.length)
-
-
 @dataclass
 class Request:
     """One generation request: its prompt, how much of it is prefilled, the sampled tokens and their
@@ -361,7 +337,7 @@ def serve(fwd: K3Forward, prompts: list[list[int]], max_new: int, chunk: int, te
     longest = max(map(len, prompts))
     bound = longest + max_new + -(-longest // chunk) + 1  # a finished request keeps re-feeding one token a step
     per_request = -(-bound // 16)
-    caches = [PagedLatents(b, c.latent.shape[-1], 16, per_request, device, c.latent.dtype) if isinstance(c, MLACache)
+    caches = [PagedLatentPool(b, c.latent.shape[-1], 16, per_request, c.latent.dtype, device) if isinstance(c, MLACache)
               else c
               for c in new_cache(cfg, b)]
     gen = torch.Generator("cpu").manual_seed(seed)

@@ -109,6 +109,12 @@ class MLACache:
             self.latent[i, start : start + n] = new[i, :n]
         self.length = self.length + lens
 
+    def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """`kernels.attention` of q [B, Tq, 1, L] over the cached latents as one key head (keys: the whole latent;
+        values: its first `values` channels) -> [B, Tq, 1, values]."""
+        lat = self.latent.to(q.dtype).unsqueeze(2)  # an FP8-rounded latent is held exactly in the compute dtype
+        return kernels.attention(q, lat, lat[..., :values], q_pos, self.length, scale)
+
 
 def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype | None = None) -> list[KDACache | MLACache]:
     """Empty caches for `batch` new sequences, one per layer; `dtype` is the activation dtype (`K3Forward.dtype`;
@@ -271,12 +277,10 @@ class K3Forward:
         if c.latent_cache == "fp8_e4m3":
             latent = fp8.round_trip(latent)  # the values the FP8 cache holds, for every reader
         cache.append(latent, lens)
-        lat = cache.latent.to(latent.dtype).unsqueeze(2)  # [B, S, 1, r + dr] (an FP8 page holds exactly these values)
         kv_b = self._kv_b_heads(p)
         q_lat = torch.stack([self.k.linear(q[:, :, i, :dn], kv_b[i, :dn].t()) for i in range(h)], dim=2)  # [B, T, H, r]
         q_abs = torch.cat([q_lat, q[..., dn:]], dim=-1).reshape(b, t * h, 1, r + dr)  # rows (token, head)
-        o_lat = self.k.attention(q_abs, lat, lat[..., :r], pos.repeat_interleave(h, dim=1), cache.length,
-                                 (dn + dr) ** -0.5).view(b, t, h, r)
+        o_lat = cache.attend(self.k, q_abs, r, pos.repeat_interleave(h, dim=1), (dn + dr) ** -0.5).view(b, t, h, r)
         o = torch.stack([self.k.linear(o_lat[:, :, i], kv_b[i, dn:]) for i in range(h)], dim=2)  # [B, T, H, dv]
         if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
             o = (wide(o) * self.k.sigmoid(wide(self._lin(x, f"{p}.g_proj.weight")).view(b, t, h, dv))).to(o.dtype)

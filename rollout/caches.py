@@ -5,9 +5,9 @@ declare a cache spec, receive their cache view from vLLM and hand `parity.model.
 per-step view of it:
 
 - `PagedLatentCache` has `parity.model.MLACache`'s interface: `append` writes each new latent at its
-  token's slot (`slot_mapping`), `latent` gathers the request's blocks through the block table
-  (`parity.kernels.attention.gather_paged`), `length` counts valid positions. Stale block contents past
-  `length` are masked and zeroed by the attention kernel.
+  token's slot (`slot_mapping`), `attend` runs the kernel set's paged attention over the request's blocks
+  through the block table, `length` counts valid positions. Stale block contents past `length` are masked
+  and zeroed by the attention kernel.
 - `KDAStateLayer.read` returns a `parity.model.KDACache` copied out of the request's state slot (zeros
   for a request with nothing computed yet, whatever the slot holds); `write` stores the updated state
   back. The slot is chosen by vLLM (`KDAStateMetadata.state_index`), so align-mode prefix caching and
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from parity.config import TextConfig
-from parity.kernels.attention import gather_paged
+from parity.kernels import Kernels
 from parity.model import KDACache
 from rollout.backends import (
     KDAStateBackend,
@@ -106,12 +106,14 @@ class PagedLatentCache:
         self.pages[slots // block_size, slots % block_size] = new[keep].to(self.pages.dtype)  # exact (model's values)
         self.length = self.length + lens
 
-    @property
-    def latent(self) -> torch.Tensor:
-        """[B, S, L]: the row's blocks in order; S covers the longest row, rounded up to whole blocks."""
+    def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """`parity.model.MLACache.attend` with the keys read from the pages through the block table
+        (`kernels.attention_paged`: the Triton kernel reads the blocks in place; the torch kernels gather them)."""
         block_size = self.pages.shape[1]
         n_blocks = -(-int(self.length.max()) // block_size)
-        return gather_paged(self.pages, self.block_table[:, :n_blocks].long(), self.length)
+        pages = self.pages.unsqueeze(2)  # [num_blocks, block_size, 1, L]: one key head
+        return kernels.attention_paged(q, pages, pages[..., :values], self.block_table[:, :n_blocks], q_pos,
+                                       self.length, scale)
 
 
 class LatentCacheLayer(nn.Module, AttentionLayerBase):
@@ -142,12 +144,16 @@ class LatentCacheLayer(nn.Module, AttentionLayerBase):
 
 
 class KDAStateLayer(nn.Module, MambaBase):
-    """One KDA layer's conv window `[W-1, 3P]` (q | k | v inputs, compute dtype) and recurrent state `[H, K, V]`
-    (fp32), in vLLM's hybrid state cache."""
+    """One KDA layer's state in vLLM's hybrid state cache (`kda_state_shapes`): the conv window `[W-1, 3P]` (q | k | v
+    inputs, compute dtype) and the recurrent state `[H, K, V]` (fp32); with the Triton kernels the second tensor is
+    a flat fp32 record of the whole `parity.kernels.triton.KDAChunkState`: the state at the last chunk boundary,
+    then the pending chunk's inputs `[CHUNK, H, 4K + 1]` (q | k | g | v | beta)."""
 
-    def __init__(self, cfg: TextConfig, prefix: str, vllm_config: VllmConfig):
+    def __init__(self, cfg: TextConfig, kernels: str, prefix: str, vllm_config: VllmConfig):
         super().__init__()
-        self.shapes = kda_state_shapes(cfg)
+        self.cfg = cfg
+        self.chunked = kernels == "triton"
+        self.shapes = kda_state_shapes(cfg, kernels)
         self.dtypes = kda_state_dtypes(cfg)
         self.prefix = prefix
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
@@ -168,27 +174,56 @@ class KDAStateLayer(nn.Module, MambaBase):
         return KDAStateBackend
 
     def read(self, meta: KDAStateMetadata, group: StepGroup) -> KDACache:
-        """The state before this step: a copy of the slot, or zeros for a request starting from token 0."""
+        """The state before this step: a copy of the slot, or zeros for a request starting from token 0. With the
+        Triton kernels the state is a `KDAChunkState` whose pending-token count is the context length modulo the
+        chunk (the chunk grid is anchored at position 0)."""
         idx = meta.state_index[group.rows]
-        fresh = (meta.layout.context_lens[group.rows] == 0).view(-1, 1, 1)
-        conv, state = self.kv_cache
-        return KDACache(torch.where(fresh, torch.zeros((), dtype=conv.dtype), conv[idx]),
-                        torch.where(fresh.view(-1, 1, 1, 1), torch.zeros((), dtype=state.dtype), state[idx]))
+        context = meta.layout.context_lens[group.rows]
+        fresh = context == 0
+
+        def slot(t: torch.Tensor) -> torch.Tensor:
+            keep = (~fresh).view(-1, *([1] * (t.dim() - 1))).to(t.device)
+            return torch.where(keep, t[idx], torch.zeros((), dtype=t.dtype, device=t.device))
+
+        conv, state = slot(self.kv_cache[0]), slot(self.kv_cache[1])
+        if not self.chunked:
+            return KDACache(conv, state)
+        from parity.kernels.triton.kda import CHUNK, KDAChunkState
+
+        h, d = self.cfg.kda_num_heads, self.cfg.kda_head_dim
+        b = state.shape[0]
+        boundary, pending = state.split([h * d * d, CHUNK * h * (4 * d + 1)], dim=1)
+        q, k, g, v, beta = pending.view(b, CHUNK, h, 4 * d + 1).split([d, d, d, d, 1], dim=-1)
+        n = (context % CHUNK).to(state.device)
+        return KDACache(conv, KDAChunkState(boundary.view(b, h, d, d), q, k, v, g, beta.squeeze(-1), n))
 
     def write(self, meta: KDAStateMetadata, group: StepGroup, cache: KDACache) -> None:
         idx = meta.state_index[group.rows]
-        conv, state = self.kv_cache
-        conv[idx] = cache.conv
-        state[idx] = cache.state
+        self.kv_cache[0][idx] = cache.conv
+        if not self.chunked:
+            self.kv_cache[1][idx] = cache.state
+            return
+        st = cache.state
+        b = st.state.shape[0]
+        pending = torch.cat([st.q, st.k, st.g, st.v.float(), st.beta.unsqueeze(-1)], dim=-1)
+        self.kv_cache[1][idx] = torch.cat([st.state.reshape(b, -1), pending.reshape(b, -1)], dim=1)
 
 
 def kda_state_dtypes(cfg: TextConfig) -> tuple[torch.dtype, torch.dtype]:
     """(conv window, recurrent state) dtypes: the conv window holds activations (compute dtype, exact), the state
-    is fp32 (`parity.model.new_cache`)."""
+    is fp32 (`parity.model.new_cache`; the Triton kernels' pending chunk inputs are fp32 too: q, k after the fp32
+    L2 norm, fp32 gate and beta, v upcast exactly)."""
     return cfg.compute_dtype, torch.float32
 
 
-def kda_state_shapes(cfg: TextConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
-    """(conv window [W-1, 3P], recurrent state [H, K, V]) of one KDA layer."""
-    d = cfg.kda_head_dim
-    return (cfg.conv_kernel - 1, 3 * cfg.kda_proj_size), (cfg.kda_num_heads, d, d)
+def kda_state_shapes(cfg: TextConfig, kernels: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(conv window [W-1, 3P], recurrent state [H, K, V]) of one KDA layer; with the Triton kernels the state is
+    flat: [H * K * V + CHUNK * H * (4K + 1)] (the boundary state, then q | k | g | v | beta of the tokens past the
+    last chunk boundary; two tensors, so vLLM's align-mode prefix caching copies both whole)."""
+    d, h = cfg.kda_head_dim, cfg.kda_num_heads
+    conv = (cfg.conv_kernel - 1, 3 * cfg.kda_proj_size)
+    if kernels != "triton":
+        return conv, (h, d, d)
+    from parity.kernels.triton.kda import CHUNK
+
+    return conv, (h * d * d + CHUNK * h * (4 * d + 1),)

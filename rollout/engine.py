@@ -73,7 +73,8 @@ def sample_seed(seed: int, index: int) -> int:
 class RolloutEngine:
     """Wraps `vllm.LLM` on `checkpoint` (an official Kimi K3 or Kimi Linear checkpoint directory).
 
-    kernels: "invariant" (parity mode) or "fast" (plain torch ops: the negative control).
+    kernels: "invariant" (parity mode), "triton" (parity mode on the Triton kernels) or "fast" (plain torch ops: the
+    negative control).
     engine_args: further `vllm.LLM` arguments (max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, prefix_match_unit (prefix hits inside a cache block), num_gpu_blocks_override,
     max_model_len, ...).
@@ -249,7 +250,7 @@ class RolloutEngine:
             raise RolloutError(
                 f"temperature must be >= {_GREEDY_EPS}: vLLM samples greedily below it and then reports "
                 f"log-probs at temperature 1, which is not the distribution used (got {temperature})")
-        if self.kernels == "invariant" and (top_p is not None or top_k is not None):
+        if self.kernels != "fast" and (top_p is not None or top_k is not None):
             raise RolloutError(
                 "top_p/top_k are refused in parity mode: truncation changes the sampling distribution and the "
                 "trainer scores the full softmax; sample with temperature only (or use kernels='fast')")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity.config import load_model_config
+from parity.kernels import KERNEL_SETS, get_kernels
 from rollout.lora_server import LORA_ROOT_ENV
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 
@@ -68,8 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible vLLM server for a K3 / Kimi Linear checkpoint, "
                                             "parity mode")
     p.add_argument("--checkpoint", required=True, help="official Kimi K3 or Kimi Linear checkpoint directory")
-    p.add_argument("--kernels", choices=("invariant", "fast"), default="invariant",
-                   help="parity kernel set (fast: the non-invariant negative control)")
+    p.add_argument("--kernels", choices=KERNEL_SETS, default="invariant",
+                   help="parity kernel set: invariant, triton (CUDA, or TRITON_INTERPRET=1 on CPU), or fast (the "
+                        "non-invariant negative control)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--lora-root", help="serve LoRA adapters, loadable at runtime only from inside this directory "
@@ -85,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
     """Replace this process with the server (its PID is the server's); a bad checkpoint path returns 2."""
     if not (Path(args.checkpoint) / "config.json").is_file():
         print(f"zerokl: error: {args.checkpoint} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        get_kernels(args.kernels)
+    except ValueError as e:
+        print(f"zerokl: error: --kernels {args.kernels}: {e}", file=sys.stderr)
         return 2
     lora = None
     if args.lora_root is not None:

@@ -55,6 +55,10 @@ def checkpoint_config(vllm_config: VllmConfig) -> ModelConfig:
     return load_model_config(path)
 
 
+def _kernels_name(vllm_config: VllmConfig) -> str:
+    return getattr(vllm_config.model_config.hf_config, KERNELS_KEY, "invariant")
+
+
 def _copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: int,
                       num_accepted_tokens: int) -> MambaCopySpec:
     """Prefix-caching copy of one state slot (no speculative decoding: the slot is the whole state)."""
@@ -99,7 +103,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             raise ModelSetupError("zerokl's K3 rollout model runs unsharded: use tensor/pipeline parallel size 1")
         vllm_compat.apply()
         self.cfg = cfg
-        self.kernels = get_kernels(getattr(vllm_config.model_config.hf_config, KERNELS_KEY, "invariant"))
+        self.kernels = get_kernels(_kernels_name(vllm_config))
         stored = stored_specs(cfg)
         self.skipped_names = frozenset(all_specs(model_cfg)) - frozenset(stored)
         root = _param_tree({name: (spec.shape, serving_dtype(cfg, spec)) for name, spec in stored.items()})
@@ -110,7 +114,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm_compat)
         self.lora_manager: Any = None  # vLLM's LoRAModelManager sets itself here when LoRA is enabled
         self.cache_layers = nn.ModuleList(
-            KDAStateLayer(cfg, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
+            KDAStateLayer(cfg, self.kernels.name, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
             else LatentCacheLayer(cfg.mla_latent_size, fp8.STORAGE_DTYPE if cfg.latent_cache else cfg.compute_dtype,
                                   f"{prefix}cache_layers.{i}", vllm_config)
             for i in range(cfg.num_hidden_layers)
@@ -201,7 +205,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
     # --- hybrid state cache (vLLM's MambaSpec plumbing) ----------------------------------------
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
-        return kda_state_shapes(checkpoint_config(vllm_config).text)
+        return kda_state_shapes(checkpoint_config(vllm_config).text, _kernels_name(vllm_config))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:

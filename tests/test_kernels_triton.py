@@ -346,12 +346,47 @@ def test_kda_matches_float64_recurrence(p: Platform, lower_bound: float | None) 
     assert s.n.tolist() == [t - 64, t - 64]
 
 
+# --- gradients ------------------------------------------------------------------------------------
+
+def test_gradients_are_the_invariant_backward_at_the_triton_forward(p: Platform) -> None:
+    """With a gradient needed, a Triton op returns its own forward bits and the gradient the CPU invariant op's
+    backward gives at the same inputs (linear with LoRA, chunked KDA, attention): within fp32 round-off of the
+    invariant set's gradient, and zero for what the output does not depend on."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(5, 40, generator=g), torch.randn(24, 40, generator=g)
+    a, b = torch.randn(4, 40, generator=g), torch.randn(24, 4, generator=g)
+    q, k, v, gate, beta = _kda_inputs(2, 70, seed=3)
+    qa, ka, va = (torch.randn(2, 30, 2, 16, generator=g) for _ in range(3))
+    pos, lens = torch.arange(30).expand(2, 30), torch.tensor([30, 17])
+    cases = [
+        ("linear", lambda kk, x, w, a, b: kk.linear(x, w, LoRA(a, b, 0.5)), (x, w, a, b)),
+        ("kda", lambda kk, q, k, v, gate, beta: kk.kda(q, k, v, gate, beta, 0.25, torch.zeros_like(q[:, 0, :, :, None]
+                                                                                     * v[:, 0, :, None, :]))[0],
+         (q, k, v, gate, beta)),
+        ("attention", lambda kk, q, k, v: kk.attention(q, k, v, pos.to(q.device), lens.to(q.device), 0.3), (qa, ka, va)),
+    ]
+    for name, op, inputs in cases:
+        cot = torch.randn(op(INVARIANT, *inputs).shape, generator=g)
+        leaves = [p.t(t).requires_grad_() for t in inputs]
+        out = op(p.k, *leaves)
+        assert_bits(out.detach(), op(p.k, *(t.detach() for t in leaves)))  # the Triton forward's bits
+        got = torch.autograd.grad(out, leaves, p.t(cot))
+        ref_leaves = [t.clone().requires_grad_() for t in inputs]
+        ref = torch.autograd.grad(op(INVARIANT, *ref_leaves), ref_leaves, cot)
+        for i, (gt, rt) in enumerate(zip(got, ref)):
+            assert gt is not None, (name, i)
+            close(gt, rt, 2e-4)
+
+
 # --- attention ------------------------------------------------------------------------------------
 
-def test_attention_decode_equals_prefill_and_paged(p: Platform) -> None:
+@pytest.mark.parametrize("d,dv", [(48, 32), (288, 272)], ids=["narrow", "wide"])
+def test_attention_decode_equals_prefill_and_paged(p: Platform, d: int, dv: int) -> None:
+    """Decode = prefill, paged = gathered = contiguous, close to float64; wide: heads over 256 (K3's absorbed MLA,
+    576 / 512 at full size) take the D-chunked kernel."""
     torch.manual_seed(0)
-    b, t, h, d = 2, 150, 2, 48
-    q, k, v = torch.randn(b, t, h, d), torch.randn(b, t, h, d), torch.randn(b, t, h, 32)
+    b, t, h = 2, 150, 2
+    q, k, v = torch.randn(b, t, h, d), torch.randn(b, t, h, d), torch.randn(b, t, h, dv)
     pos = torch.arange(t).expand(b, t)
     lens = torch.tensor([t, 97])
     full = p.k.attention(p.t(q), p.t(k), p.t(v), p.t(pos), p.t(lens), 0.2)
@@ -365,9 +400,9 @@ def test_attention_decode_equals_prefill_and_paged(p: Platform) -> None:
     nblk = -(-t // block)
     perm = torch.randperm(nblk + 3)[:nblk]
     cache_k = torch.full((nblk + 3, block, h, d), float("nan"))
-    cache_v = torch.full((nblk + 3, block, h, 32), float("nan"))
+    cache_v = torch.full((nblk + 3, block, h, dv), float("nan"))
     cache_k[perm] = F.pad(k[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, d)
-    cache_v[perm] = F.pad(v[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, 32)
+    cache_v[perm] = F.pad(v[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, dv)
     cache_k[perm[-1], t % block :] = float("nan")
     cache_v[perm[-1], t % block :] = float("nan")
     table = perm.view(1, -1)
@@ -598,27 +633,6 @@ def test_gpu_attention_bf16_decode_equals_prefill(gpu: Platform) -> None:
 
 # --- GPU only: the whole K3 forward ---------------------------------------------------------------
 
-class _PagedLatentCache:
-    """`parity.model.MLACache`'s interface over a paged pool (one sequence): blocks in shuffled order,
-    unwritten slots hold NaN; `latent` gathers through the block table."""
-
-    def __init__(self, width: int, block: int, n_blocks: int, dtype: torch.dtype) -> None:
-        self.pool = torch.full((n_blocks, block, width), float("nan"), dtype=dtype)
-        self.table = torch.randperm(n_blocks).view(1, -1)
-        self.length = torch.zeros(1, dtype=torch.long)
-        self.block = block
-
-    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
-        start, n = int(self.length[0]), int(lens[0])
-        slots = torch.arange(start, start + n)
-        self.pool[self.table[0, slots // self.block], slots % self.block] = new[0, :n].to(self.pool.dtype)
-        self.length = self.length + lens
-
-    @property
-    def latent(self) -> torch.Tensor:
-        return gather_paged(self.pool, self.table, self.length)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4"])
 def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str) -> None:
@@ -632,6 +646,7 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
     from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
     from parity.io.checkpoint import random_weights
     from parity.quant import fp8
+    from rollout.paged_pool import PagedLatentPool
 
     cfg = load_model_config(f"configs/{config}.yaml")
     if config == "k3-tiny":
@@ -646,7 +661,7 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
         for seq, split in ((seqs[0], 37), (seqs[1], 70)):
             caches = new_cache(cfg.text, 1)
             pool = fp8.STORAGE_DTYPE if cfg.text.latent_cache else cfg.text.compute_dtype
-            caches = [_PagedLatentCache(c.latent.shape[-1], 16, 24, pool) if isinstance(c, MLACache) else c
+            caches = [PagedLatentPool(1, c.latent.shape[-1], 16, 24, pool, "cuda") if isinstance(c, MLACache) else c
                       for c in caches]
             out, start = [], 0
             for end in [split, *range(split + 1, len(seq) + 1)]:

@@ -17,6 +17,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def kernel_set(text: str) -> str:
+    """A `parity.kernels` kernel set name that this machine can run ('triton' needs CUDA or TRITON_INTERPRET=1)."""
+    from parity.kernels import KERNEL_SETS, get_kernels
+
+    if text not in KERNEL_SETS:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(KERNEL_SETS)}, got {text!r}")
+    try:
+        get_kernels(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def temperature(text: str) -> float:
     """A finite sampling temperature >= 1e-5: below it vLLM samples greedily and then reports log-probs at
     temperature 1, which is not the distribution used."""

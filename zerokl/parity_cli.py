@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from parity.compare import ParityReport, compare, format_report, load_dump
-from zerokl.argtypes import positive_int, temperature
+from zerokl.argtypes import kernel_set, positive_int, temperature
 from parity.report import write_html
 
 
@@ -122,8 +122,9 @@ def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: in
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens)
     p.add_argument("--temperature", type=temperature, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kernels", choices=("invariant", "fast"), default="invariant",
-                   help="fast: both sides on plain torch ops (the mismatch zerokl removes)")
+    p.add_argument("--kernels", type=kernel_set, default="invariant",
+                   help="invariant (default), triton (the Triton kernels on both sides: CUDA, or TRITON_INTERPRET=1 "
+                        "on CPU), or fast: both sides on plain torch ops (the mismatch zerokl removes)")
     p.add_argument("--backend", choices=("megatron", "deepspeed"), default="megatron", help="the trainer that scores")
     p.add_argument("--zero-stage", type=int, choices=(2, 3), default=3, help="DeepSpeed ZeRO stage")
     p.add_argument("--json", help="write the results here")

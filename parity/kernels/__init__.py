@@ -1,15 +1,19 @@
-"""The parity kernels: every op on the K3 log-prob path, in two named kernel sets with one signature.
+"""The parity kernels: every op on the K3 log-prob path, in three named kernel sets with one signature.
 
 - `invariant`: a row's bits depend only on that row's inputs: not on batch size, batch composition,
   position in the batch, padding, or the prefill/decode split. What pins each property is documented in
   each module and in parity/README.md.
 - `fast`: plain torch ops (F.linear, torch.sigmoid, SDPA, einsum); the non-invariant baseline for
   benchmarks and negative controls.
+- `triton`: the invariant kernels in Triton (`parity.kernels.triton`); their bits are the Triton platform's,
+  not the CPU kernels'.
 
 Choose one explicitly with `get_kernels(name)`; there is no automatic choice.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -19,11 +23,12 @@ __all__ = ["KERNEL_SETS", "FAST", "INVARIANT", "Kernels", "get_kernels"]
 
 
 def get_kernels(name: str) -> Kernels:
-    """The kernel set called `name` ('invariant' or 'fast'); anything else is a user error.
+    """The kernel set called `name` ('invariant', 'fast' or 'triton'); anything else is a user error.
 
     On a machine with CUDA, 'invariant' runs the Triton kernels on CUDA tensors and the CPU kernels on CPU
     tensors (`parity.kernels.triton.DEVICE_INVARIANT`, chosen per call by the input's device); Triton is
-    imported only there."""
+    imported only there. 'triton' is the Triton kernels on every tensor: CUDA, or CPU tensors in a process
+    started with TRITON_INTERPRET=1 (Triton's interpreter; slow, for tests)."""
     if name == "invariant":
         if torch.cuda.is_available():
             from parity.kernels.triton import DEVICE_INVARIANT
@@ -32,4 +37,11 @@ def get_kernels(name: str) -> Kernels:
         return INVARIANT
     if name == "fast":
         return FAST
+    if name == "triton":
+        if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ValueError("the triton kernel set needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
+                             "of every process that runs it (Triton's interpreter on CPU tensors)")
+        from parity.kernels.triton import TRITON
+
+        return TRITON
     raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")

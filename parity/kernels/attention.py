@@ -16,6 +16,8 @@ per key tile is saved.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from typing import Any
 
 import torch
@@ -139,6 +141,21 @@ def attention_fast(
         scale=scale,
     )
     return o.transpose(1, 2)
+
+
+def paged(attention: Callable) -> Callable:
+    """`attention` over keys and values read through a block table: (q, k_cache [blocks, page, Hk, D],
+    v_cache [blocks, page, Hk, Dv], block_table [B, max_blocks], q_pos, kv_len, scale). The torch kernels gather
+    the blocks into contiguous keys (a copy) and cast them to q's dtype (exact from an FP8 page)."""
+
+    def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                        q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float) -> torch.Tensor:
+        k = gather_paged(k_cache, block_table, kv_len).to(q.dtype)
+        v = gather_paged(v_cache, block_table, kv_len).to(q.dtype)
+        return attention(q, k, v, q_pos, kv_len, scale)
+
+    attention_paged.__qualname__ = f"paged({attention.__name__})"
+    return attention_paged
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

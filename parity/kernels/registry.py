@@ -2,6 +2,7 @@
 
 - `invariant`: a row's bits depend only on that row's inputs (parity/README.md says what pins each).
 - `fast`: plain torch ops; the non-invariant baseline for benchmarks and negative controls.
+- `triton`: the invariant kernels in Triton (`parity.kernels.triton`; GPU, or CPU under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from parity.kernels import activations, attention, attn_res, conv, kda, linear, logprobs, moe, norms, primitives
 
-KERNEL_SETS = ("invariant", "fast")
+KERNEL_SETS = ("invariant", "fast", "triton")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Kernels:
     kda_gate: Callable
     kda: Callable
     attention: Callable
+    attention_paged: Callable
     attn_res_mix: Callable
     route: Callable
     token_logprobs: Callable
@@ -50,6 +52,7 @@ INVARIANT = Kernels(
     kda_gate=kda.kda_gate_invariant,
     kda=kda.kda_invariant,
     attention=attention.attention_invariant,
+    attention_paged=attention.paged(attention.attention_invariant),
     attn_res_mix=attn_res.attn_res_mix_invariant,
     route=moe.route_invariant,
     token_logprobs=logprobs.token_logprobs_invariant,
@@ -68,6 +71,7 @@ FAST = Kernels(
     kda_gate=kda.kda_gate_fast,
     kda=kda.kda_fast,
     attention=attention.attention_fast,
+    attention_paged=attention.paged(attention.attention_fast),
     attn_res_mix=attn_res.attn_res_mix_fast,
     route=moe.route_fast,
     token_logprobs=logprobs.token_logprobs_fast,

@@ -32,6 +32,9 @@ class K3TransformerConfig(TransformerConfig):
             raise ValueError("K3TransformerConfig.k3: the official model config is required")
         if self.kernels not in KERNEL_SETS:
             raise ValueError(f"K3TransformerConfig.kernels: choose one of {KERNEL_SETS}, got {self.kernels!r}")
+        if self.kernels == "triton" and self.tensor_model_parallel_size > 1:
+            raise ValueError("tensor parallelism on the triton kernels is not built: the Triton GEMM adds its own "
+                             "fixed K segments, which a row-parallel split would have to follow; use tp = 1")
 
 
 def k3_transformer_config(model_cfg: ModelConfig, par: ParallelContext, kernels: str = "invariant",

@@ -304,8 +304,11 @@ class MegatronK3Model(MegatronModule):
             self.lora_scales[base] = scale
 
     def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
-        """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`)."""
-        return padded_logprobs(ParallelK3Forward.for_model(self), input_ids, lens, temperature)
+        """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`), on the
+        parameters' device (the forward's own tensors are made there too)."""
+        device = self.model.embed_tokens.weight.device
+        with torch.device(device):
+            return padded_logprobs(ParallelK3Forward.for_model(self), input_ids.to(device), lens.to(device), temperature)
 
 
 def _is_lora(name: str) -> bool:

@@ -1,4 +1,8 @@
-"""Process groups for the K3 trainer: torch.distributed on gloo, then Megatron's `parallel_state`.
+"""Process groups for the K3 trainer: torch.distributed (NCCL on a CUDA machine, gloo on CPU), then Megatron's
+`parallel_state`.
+
+On CUDA each rank takes the GPU of its local rank and runs deterministically (`torch.use_deterministic_algorithms`,
+cuBLAS's fixed workspace): a step's gradient is then a function of its inputs, which a bitwise resume needs.
 
 Layout (Megatron's default order tp-cp-ep-dp-pp, no pipeline or context parallelism): TP ranks hold slices of
 the dense layers and see the same batch; EP ranks hold disjoint expert ranges and, unless they are also TP
@@ -31,23 +35,33 @@ class ParallelContext:
     tp_group: dist.ProcessGroup
     ep_group: dist.ProcessGroup
     owns_process_group: bool  # init_parallel started torch.distributed (so destroy_parallel ends it)
+    device: torch.device  # where this rank's parameters and activations live
 
 
 def init_parallel(tp: int = 1, ep: int = 1) -> ParallelContext:
-    """Start gloo (from torchrun's env, or a one-rank in-memory store), apply the CPU compat patches, build groups.
+    """Start torch.distributed (from torchrun's env, or a one-rank in-memory store): NCCL on this rank's GPU where
+    CUDA is available, else gloo with the CPU compat patches; build the groups.
 
     Call `destroy_parallel` before initialising again with other sizes. A process group that is already up is
     reused (and left up by `destroy_parallel`).
     """
-    if torch.cuda.is_available():
-        raise RuntimeError("trainer.megatron.parallel builds the CPU trainer (gloo, CPU parameters); this host has a GPU")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    else:
+        device = torch.device("cpu")
     owns = not dist.is_initialized()
     if owns:
+        backend = "nccl" if cuda else "gloo"
         if "WORLD_SIZE" in os.environ:
-            dist.init_process_group("gloo")
+            dist.init_process_group(backend)
         else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    cpu_compat.apply()
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not cuda:
+        cpu_compat.apply()
     world = dist.get_world_size()
     if world % tp or world % ep:
         raise ValueError(f"world size {world} must be divisible by tp = {tp} and ep = {ep}")
@@ -64,6 +78,7 @@ def init_parallel(tp: int = 1, ep: int = 1) -> ParallelContext:
         tp_group=parallel_state.get_tensor_model_parallel_group(),
         ep_group=parallel_state.get_expert_model_parallel_group(),
         owns_process_group=owns,
+        device=device,
     )
 
 

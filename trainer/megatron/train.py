@@ -1,4 +1,5 @@
-"""Building and stepping the trainer: K3 model on Megatron, Megatron's DDP, Megatron's optimizer (fp32, CPU).
+"""Building and stepping the trainer: K3 model on Megatron, Megatron's DDP, Megatron's optimizer (fp32 masters, on the
+rank's device: its GPU, or the CPU).
 
 `build_trainer` loads an official checkpoint into a fresh `MegatronK3Model` at the current TP/EP sizes and wraps it;
 `train_step` is one forward/backward/step on a caller-supplied loss of the per-token log-probs. With an
@@ -39,7 +40,8 @@ def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: P
                 adapter: Adapter | None = None) -> MegatronK3Model:
     """A `MegatronK3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names), and of
     `adapter` when given (then every base parameter is frozen)."""
-    model = MegatronK3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
+    with torch.device(par.device):
+        model = MegatronK3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
     load_official(model, weights)
     if adapter is not None:
         load_adapter(model, adapter)

@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from parity.config import ConfigError
-from zerokl.argtypes import positive_int
+from zerokl.argtypes import kernel_set, positive_int
 from zerokl.ppo.config import PPOConfig, load_ppo_config
 
 
@@ -126,8 +126,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="out/ppo", help="run directory (metrics.jsonl, checkpoints, wandb)")
     p.add_argument("--resume", help="an earlier run's directory (its latest complete checkpoint) or one of its "
                                     "checkpoints (OUT/checkpoints/step-N)")
-    p.add_argument("--kernels", choices=("invariant", "fast"), help="fast = plain torch ops on both sides "
-                   "(the non-invariant baseline: expect the zero-KL check to fail)")
+    p.add_argument("--kernels", type=kernel_set, help="invariant, triton (CUDA, or TRITON_INTERPRET=1 on CPU), or "
+                   "fast = plain torch ops on both sides (the non-invariant baseline: expect the zero-KL check to fail)")
     p.add_argument("--on-mismatch", choices=("stop", "warn"), help="warn: keep training and record the drift")
     p.add_argument("--lora", action="store_true", help="train only a LoRA adapter (config keys lora_rank, "
                    "lora_alpha, lora_targets, lora_init) and sync only the adapter into the rollout engine")

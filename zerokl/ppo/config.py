@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from parity.config import ConfigError
+from parity.kernels import KERNEL_SETS, get_kernels
 from trainer.backend import BACKENDS, ZERO_STAGES
 
 
@@ -52,7 +53,11 @@ class PPOConfig:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), str(f.type))
         _choice("advantage", self.advantage, ("grpo", "gae"))
-        _choice("kernels", self.kernels, ("invariant", "fast"))
+        _choice("kernels", self.kernels, KERNEL_SETS)
+        try:
+            get_kernels(self.kernels)  # 'triton' needs CUDA or TRITON_INTERPRET=1
+        except ValueError as e:
+            raise ConfigError(f"ppo config: kernels {self.kernels!r}: {e}") from None
         _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
         _choice("sync", self.sync, ("shared_memory", "disk"))
         _choice("wandb", self.wandb, ("offline", "online", "disabled"))

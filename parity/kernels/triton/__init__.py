@@ -14,7 +14,10 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 | attention (+ paged) | `attention.py` | fixed Q/KV tiles from position 0, masked tiles are exact no-ops |
 | attn_res_mix | `attn_res.py` | per-token scores, candidates added in index order |
 | route, experts + combine | `moe.py` | argmax with lowest-index ties; fixed tiles per expert; combine in id order |
-| token_logprobs | `logprobs.py` | per-row online log-sum-exp over fixed vocabulary blocks |
+| token_logprobs | `parity.kernels.logprobs` | the rollout engine's sampler arithmetic (torch `log_softmax` on fp32 logits / T, one row-invariant reduction per row; tests check it on CUDA) |
+
+Gradients (`autograd.py`): with a gradient needed, each op runs its Triton forward and takes its backward from
+the CPU invariant set's op re-run on the saved inputs (torch code, on any device).
 
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
@@ -33,13 +36,13 @@ from collections.abc import Callable
 import torch
 
 from parity.kernels.registry import INVARIANT, Kernels
-from parity.kernels.triton import attention, attn_res, conv, kda, linear, logprobs, moe, rowwise
+from parity.kernels.triton import attention, attn_res, conv, kda, linear, moe, rowwise
 from parity.kernels.triton.attention import attention_paged
+from parity.kernels.triton.autograd import trainable
 from parity.kernels.triton.kda import KDAChunkState
 from parity.kernels.triton.moe import experts
 
-TRITON = Kernels(
-    name="triton",
+_TRITON_OPS = dict(
     sigmoid=rowwise.sigmoid,
     linear=linear.linear,
     rmsnorm=rowwise.rmsnorm,
@@ -51,10 +54,12 @@ TRITON = Kernels(
     kda_gate=rowwise.kda_gate,
     kda=kda.kda,
     attention=attention.attention,
+    attention_paged=attention_paged,
     attn_res_mix=attn_res.attn_res_mix,
     route=moe.route,
-    token_logprobs=logprobs.token_logprobs,
 )
+TRITON = Kernels(name="triton", **{f: trainable(op, getattr(INVARIANT, f)) for f, op in _TRITON_OPS.items()},
+                 token_logprobs=INVARIANT.token_logprobs)
 
 
 def _by_device(cpu: Callable, gpu: Callable) -> Callable:

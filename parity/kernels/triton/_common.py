@@ -39,6 +39,15 @@ def check_dtype(*xs: torch.Tensor) -> None:
             raise TypeError(f"Triton parity kernels take fp32 or bf16 inputs of one dtype, got {[t.dtype for t in xs]}")
 
 
+def check_weights(*ws: torch.Tensor | None) -> None:
+    """Element-wise weights (norm scales, projections read as vectors) are fp32 or bf16, whatever the activations'
+    dtype: the kernels load them as fp32, so an fp32 master holding bf16 values (the trainer's) has the bits of
+    the bf16 weight (the rollout engine's)."""
+    for w in ws:
+        if w is not None and w.dtype not in SUPPORTED:
+            raise TypeError(f"Triton parity kernels take fp32 or bf16 weights, got {w.dtype}")
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`input_precision` for dots whose operands are fp32 when the op's inputs have `dtype`.
 

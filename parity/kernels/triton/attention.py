@@ -20,8 +20,11 @@ import triton.language as tl
 
 from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2
 
+FP8 = torch.float8_e4m3fn
 BLOCK_Q = 128
 BLOCK_KV = 128  # tile sweep on the H200: 0.310 vs 0.367 ms prefill, 0.148 vs 0.171 ms decode B = 8
+WIDE = 256  # heads with D or Dv above this take `_attn_wide_kernel` (a function of the head shape alone)
+WIDE_Q, WIDE_KV, WIDE_DC, WIDE_DV = 64, 64, 64, 128  # its query / key tiles, D chunk, Dv columns per program
 LOG2E = math.log2(math.e)
 
 
@@ -63,13 +66,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
         else:
             krow = b * skb + ks.to(tl.int64) * skt
             vrow = b * svb + ks.to(tl.int64) * svt
-        kt = tl.load(k_ptr + krow[None, :] + h * skh + d[:, None], mask=key_ok[None, :] & (d[:, None] < D), other=0.0)
+        kt = tl.load(k_ptr + krow[None, :] + h * skh + d[:, None], mask=key_ok[None, :] & (d[:, None] < D),
+                     other=0.0).to(q.dtype)
         vt = tl.load(v_ptr + vrow[:, None] + h * svh + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV),
-                     other=0.0)
+                     other=0.0).to(q.dtype)
         s = mma(q, kt, tl.zeros((BQ, BKV), dtype=tl.float32), PREC, INTERP)
         if BD2 > 0:
             kt2 = tl.load(k_ptr + krow[None, :] + h * skh + d2[:, None], mask=key_ok[None, :] & (d2[:, None] < D),
-                          other=0.0)
+                          other=0.0).to(q.dtype)
             s = mma(q2, kt2, s, PREC, INTERP)
         s = s * qk_scale
         visible = (ks[None, :] <= pos[:, None]) & key_ok[None, :]
@@ -79,6 +83,63 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, axis=1)
+        acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, INTERP)
+        m = m_new
+    o = acc / l[:, None]
+    tl.store(o_ptr + b * sob + rq[:, None] * sot + h * soh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=qmask[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit(do_not_specialize=["Tq"])
+def _attn_wide_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq, D, DV, qk_scale,
+                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb, stb, PAGE,
+                      PAGED: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, BDC: tl.constexpr,
+                      BDV: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """`_attn_kernel` for heads too wide to hold in one tile (K3's absorbed MLA: D = 512 + 64, Dv = 512): the
+    scores are summed over D in chunks of BDC in order, and each program owns BDV of the Dv output columns (grid
+    axis 2), recomputing the scores of its query tile; the softmax and masking are `_attn_kernel`'s."""
+    pid_q = tl.program_id(0)
+    bh = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rq = pid_q * BQ + tl.arange(0, BQ)
+    qmask = rq < Tq
+    dc = tl.arange(0, BDC)
+    dv = pid_v * BDV + tl.arange(0, BDV)
+    q_row = q_ptr + b * sqb + rq[:, None] * sqt + h * sqh
+    pos = tl.load(pos_ptr + b * spb + rq, mask=qmask, other=0)
+    kv_len = tl.load(len_ptr + b)
+    hi = tl.minimum(tl.max(tl.where(qmask, pos, 0), axis=0) + 1, kv_len)
+    m = tl.full((BQ,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BQ,), dtype=tl.float32)
+    acc = tl.zeros((BQ, BDV), dtype=tl.float32)
+    for start in range(0, hi, BKV):
+        ks = start + tl.arange(0, BKV)
+        key_ok = ks < kv_len
+        if PAGED:
+            blk = tl.load(table_ptr + b * stb + ks // PAGE, mask=key_ok, other=0).to(tl.int64)
+            krow = blk * skb + (ks % PAGE) * skt
+            vrow = blk * svb + (ks % PAGE) * svt
+        else:
+            krow = b * skb + ks.to(tl.int64) * skt
+            vrow = b * svb + ks.to(tl.int64) * svt
+        s = tl.zeros((BQ, BKV), dtype=tl.float32)
+        for d0 in range(0, D, BDC):
+            qc = tl.load(q_row + d0 + dc[None, :], mask=qmask[:, None] & (d0 + dc[None, :] < D), other=0.0)
+            kc = tl.load(k_ptr + krow[None, :] + h * skh + d0 + dc[:, None],
+                         mask=key_ok[None, :] & (d0 + dc[:, None] < D), other=0.0).to(qc.dtype)
+            s = mma(qc, kc, s, PREC, INTERP)
+        s = s * qk_scale
+        visible = (ks[None, :] <= pos[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_ptr + vrow[:, None] + h * svh + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV),
+                     other=0.0).to(q_ptr.dtype.element_ty)
         acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, INTERP)
         m = m_new
     o = acc / l[:, None]
@@ -102,21 +163,30 @@ def _launch(q, k, v, q_pos, kv_len, scale, table=None, page=1) -> torch.Tensor:
     lens = kv_len.to(torch.int32).contiguous()
     paged = table is not None
     tbl = table.to(torch.int32).contiguous() if paged else lens
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+               pos.stride(0), tbl.stride(0) if paged else 0, page)
+    if d > WIDE or dv > WIDE:
+        grid = (triton.cdiv(tq, WIDE_Q), b * h, triton.cdiv(dv, WIDE_DV))
+        _attn_wide_kernel[grid](q, k, v, pos, lens, o, tbl, h, tq, d, dv, float(scale) * LOG2E, *strides,
+                                PAGED=paged, BQ=WIDE_Q, BKV=WIDE_KV, BDC=WIDE_DC, BDV=WIDE_DV,
+                                PREC=dot_precision(q.dtype), INTERP=INTERPRET, num_warps=4, num_stages=2)
+        return o
     bd, bd2 = _split_dim(d)
     bdv = pow2(dv)
     warps = 8
     grid = (triton.cdiv(tq, BLOCK_Q), b * h)
-    _attn_kernel[grid](q, k, v, pos, lens, o, tbl, h, tq, d, dv, float(scale) * LOG2E,
-                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                       v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-                       pos.stride(0), tbl.stride(0) if paged else 0, page,
+    _attn_kernel[grid](q, k, v, pos, lens, o, tbl, h, tq, d, dv, float(scale) * LOG2E, *strides,
                        PAGED=paged, BQ=BLOCK_Q, BKV=BLOCK_KV, BD=bd, BD2=bd2, BDV=bdv, PREC=dot_precision(q.dtype),
                        INTERP=INTERPRET, num_warps=warps, num_stages=2)
     return o
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    check_dtype(q, k, v)
+    if k.dtype == v.dtype == FP8:  # an FP8 latent page: cast to q's dtype as it is loaded (exact)
+        check_dtype(q)
+    else:
+        check_dtype(q, k, v)
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("attention inputs need unit stride along the head dim")
@@ -133,7 +203,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float) -> torch.Tensor:
     """As `attention`, with keys read through a block table: k_cache: [num_blocks, page, H, D],
-    v_cache: [num_blocks, page, H, Dv], block_table: [B, max_blocks] int. Same bits as the contiguous
-    kernel on the gathered keys."""
+    v_cache: [num_blocks, page, H, Dv] (q's dtype, or FP8 e4m3, cast exactly on load), block_table:
+    [B, max_blocks] int. Same bits as the contiguous kernel on the gathered keys (no copy is made)."""
     _check(q, k_cache, v_cache)
     return _launch(q, k_cache, v_cache, q_pos, kv_len, scale, block_table, k_cache.shape[1])

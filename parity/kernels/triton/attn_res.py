@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import check_dtype, pow2
+from parity.kernels.triton._common import check_dtype, check_weights, pow2
 
 
 @triton.jit
@@ -42,7 +42,8 @@ def _mix_kernel(c_ptr, nw_ptr, pw_ptr, y_ptr, n, D, sc0, sc1, sy, eps, BN: tl.co
 
 def attn_res_mix(cands: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
     """cands: [N, n, D], norm_w: [D], proj_w: [D] -> [N, D] in cands' dtype."""
-    check_dtype(cands, norm_w, proj_w)
+    check_dtype(cands)
+    check_weights(norm_w, proj_w)
     n_tok, n, d = cands.shape
     c = cands if cands.stride(-1) == 1 else cands.contiguous()
     y = torch.empty(n_tok, d, dtype=cands.dtype, device=cands.device)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import check_dtype, pow2, sigmoid_f32, softplus_f32, tanh_f32
+from parity.kernels.triton._common import check_dtype, check_weights, pow2, sigmoid_f32, softplus_f32, tanh_f32
 
 ELEM_BLOCK = 1024
 MAX_ROW = 65536
@@ -61,7 +61,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(x: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor | None, eps: float, kind: int) -> torch.Tensor:
-    check_dtype(x, *(t for t in (gate, w) if t is not None))
+    check_dtype(x, *(t for t in (gate,) if t is not None))
+    check_weights(w)
     d = x.shape[-1]
     x2 = _rows(x)
     g2 = _rows(gate) if gate is not None else x2

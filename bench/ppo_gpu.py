@@ -1,0 +1,206 @@
+"""The GPU path end to end on one GPU: the Megatron trainer on CUDA against generation through the rollout model code.
+
+vLLM cannot run on this machine, so generation runs the code the rollout model class runs inside vLLM
+(`parity.model.K3Forward` on the same kernels, MLA latents in a shuffled paged pool read in place by the paged
+attention kernel (`rollout.paged_pool`), the chunked KDA state) with vLLM's schedule: chunked prefill of a batch of
+prompts of different lengths, then batched decode, seeded Gumbel-max sampling at a temperature. The trainer is
+`trainer.megatron` (Megatron DDP + Adam, fp32 masters) on the same GPU, forward on the Triton kernels, backward
+through the torch invariant kernels' `autograd.Function`s (`parity.kernels.triton.autograd`).
+
+Per step: generate -> the trainer's log-probs of every sampled token must equal generation's bit for bit (KL = 0; the
+run stops otherwise) -> a group-baseline policy-gradient step -> sync (`parity.weights.serving_weights`: MXFP4 experts
+packed, bf16 elsewhere) into the generator. A second trainer resumes from the step-`--resume-at` state (weights,
+optimizer, sampling seeds) and must end with the same weights and metrics bit for bit.
+
+    python bench/ppo_gpu.py --config configs/k3-1b.yaml --steps 20 --resume-at 10 --json OUT.json
+
+Prints one line per step and a summary; exit 0 only if every step is bitwise and the resume reproduces the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parity.config import ModelConfig  # noqa: E402
+from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
+from parity.kernels import get_kernels  # noqa: E402
+from parity.model import K3Forward, K3Weights, MLACache, new_cache  # noqa: E402
+from parity.quant import fp8  # noqa: E402
+from parity.weights import serving_weights  # noqa: E402
+from rollout.paged_pool import PagedLatentPool  # noqa: E402
+from trainer.megatron.backend import MegatronBackend  # noqa: E402
+
+BLOCK = 16  # paged latent block size
+PREFILL_CHUNK = 48  # chunked prefill: not a multiple of the KDA chunk (64), so chunks end mid-chunk
+
+
+@dataclass
+class Samples:
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    logprobs: list[torch.Tensor]  # fp32 [max_tokens] per sequence, as generation computed them
+
+
+def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int, temperature: float,
+             seed: int) -> Samples:
+    """Chunked prefill of all prompts together (rows with fewer tokens left carry fewer, or none), then batched decode;
+    token i of row b is sampled by Gumbel-max with a generator seeded by (seed, b, i)."""
+    text = cfg.text
+    b = len(prompts)
+    longest = max(map(len, prompts)) + max_tokens
+    caches = [PagedLatentPool(b, c.latent.shape[-1], BLOCK, -(-longest // BLOCK) + 1,
+                              fp8.STORAGE_DTYPE if text.latent_cache else text.compute_dtype, "cuda",
+                              torch.Generator().manual_seed(seed))
+              if isinstance(c, MLACache) else c for c in new_cache(text, b)]
+    done = [0] * b
+    last_hidden = [None] * b
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        lens = [min(PREFILL_CHUNK, len(p) - d) for d, p in zip(done, prompts)]
+        ids = torch.zeros(b, max(lens), dtype=torch.long)
+        pos = torch.zeros(b, max(lens), dtype=torch.long)
+        for r, (p, d, n) in enumerate(zip(prompts, done, lens)):
+            ids[r, :n] = torch.tensor(p[d : d + n])
+            pos[r] = torch.arange(d, d + max(lens)).clamp(max=max(d + n - 1, 0))
+        hidden = fwd.hidden(ids.cuda(), pos.cuda(), torch.tensor(lens).cuda(), caches)
+        for r, n in enumerate(lens):
+            if n:
+                last_hidden[r] = hidden[r, n - 1]
+            done[r] += n
+    completions: list[list[int]] = [[] for _ in range(b)]
+    logprobs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    h = torch.stack(last_hidden)
+    for i in range(max_tokens):
+        logits = fwd.logits(h)  # [B, V]
+        gumbel = torch.stack([-torch.empty(logits.shape[-1], device="cuda").exponential_(
+            generator=torch.Generator("cuda").manual_seed(seed * 1_000_003 + r * 1009 + i)).log() for r in range(b)])
+        tok = (logits.float() / temperature + gumbel).argmax(-1)
+        lp = fwd.token_logprobs(logits, tok, temperature)
+        for r in range(b):
+            completions[r].append(int(tok[r]))
+            logprobs[r].append(lp[r])
+        if i + 1 < max_tokens:
+            pos = torch.tensor([[len(p) + i] for p in prompts]).cuda()
+            h = fwd.hidden(tok.view(b, 1), pos, torch.ones(b, dtype=torch.long).cuda(), caches)[:, 0]
+    return Samples(prompts, completions, [torch.stack(x) for x in logprobs])
+
+
+def trainer_logprobs(backend: MegatronBackend, s: Samples, temperature: float, grad: bool) -> list[torch.Tensor]:
+    """The trainer's log-probs of each sequence's completion tokens (one padded forward over prompt + completion)."""
+    seqs = [p + c for p, c in zip(s.prompts, s.completions)]
+    t = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    for r, q in enumerate(seqs):
+        ids[r, : len(q)] = torch.tensor(q)
+    with torch.set_grad_enabled(grad):
+        lp = backend.trainer.model(ids, torch.tensor([len(q) for q in seqs]), temperature)
+    return [lp[r, len(p) - 1 : len(p) - 1 + len(c)] for r, (p, c) in enumerate(zip(s.prompts, s.completions))]
+
+
+def reward(completion: list[int], vocab: int) -> float:
+    """A signal a random model can learn: the fraction of sampled ids in the lower half of the vocabulary."""
+    return sum(t < vocab // 2 for t in completion) / len(completion)
+
+
+@dataclass
+class Run:
+    metrics: list[dict[str, float]]
+    weights: dict[str, torch.Tensor]
+
+
+def prompts_for(step: int, n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed * 7919 + step)
+    lens = torch.randint(20, 140, (n,), generator=g).tolist()
+    return [torch.randint(4, vocab, (m,), generator=g).tolist() for m in lens]
+
+
+def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args: argparse.Namespace,
+        save_at: int | None = None, state_dir: Path | None = None) -> Run:
+    kernels = get_kernels(args.kernels)
+    metrics = []
+    for step in range(first, last):
+        with torch.device("cuda"):
+            fwd = K3Forward(K3Weights.from_official(cfg.text, serving_weights(cfg.text, backend.export_official())),
+                            kernels)
+            t0 = time.perf_counter()
+            s = generate(fwd, cfg, prompts_for(step, args.batch, cfg.text.vocab_size, args.seed), args.max_tokens,
+                         args.temperature, args.seed * 100_003 + step)
+            torch.cuda.synchronize()
+            t_gen = time.perf_counter() - t0
+            old = trainer_logprobs(backend, s, args.temperature, grad=False)
+            equal = sum(int(torch.equal(a, b)) for a, b in zip(old, s.logprobs))
+            max_diff = max(float((a - b).abs().max()) for a, b in zip(old, s.logprobs))
+            kl = float(sum((b - a).sum() for a, b in zip(old, s.logprobs))) / sum(map(len, old))
+            if equal != len(old):
+                raise SystemExit(f"step {step}: trainer != generation on {len(old) - equal}/{len(old)} sequences, "
+                                 f"max |d logprob| {max_diff:.3e}")
+            rewards = torch.tensor([reward(c, cfg.text.vocab_size) for c in s.completions], device="cuda")
+            adv = rewards - rewards.mean()
+
+            def loss_fn(model: torch.nn.Module) -> torch.Tensor:
+                lp = trainer_logprobs(backend, s, args.temperature, grad=True)
+                return -sum((a * x).sum() for a, x in zip(adv, lp)) / sum(map(len, lp))
+
+            t0 = time.perf_counter()
+            loss, grad_norm = backend.train_step(loss_fn)
+            torch.cuda.synchronize()
+            t_train = time.perf_counter() - t0
+        m = dict(step=step, kl=kl, bitwise_equal_frac=equal / len(old), max_abs_logprob_diff=max_diff,
+                 reward_mean=float(rewards.mean()), loss=loss, grad_norm=grad_norm,
+                 gen_tokens_per_s=args.batch * args.max_tokens / t_gen, train_step_s=t_train)
+        print(json.dumps(m), flush=True)
+        metrics.append(m)
+        if save_at is not None and step + 1 == save_at:
+            backend.save_state(state_dir)
+    return Run(metrics, {n: t.detach().clone() for n, t in backend.export_official().items()})
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="configs/k3-1b.yaml")
+    p.add_argument("--kernels", default="invariant", help="on CUDA: the Triton kernels")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--resume-at", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write metrics and the verdict here")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed)
+        cfg, _ = load_checkpoint(ckpt)
+        state = Path(tmp) / "state"
+        backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=args.kernels, adapter=None)
+        full = run(backend, cfg, 0, args.steps, args, save_at=args.resume_at, state_dir=state)
+        backend.close()
+        print(f"resuming from the step-{args.resume_at} state", flush=True)
+        backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=args.kernels, adapter=None)
+        backend.load_state(state)
+        resumed = run(backend, cfg, args.resume_at, args.steps, args)
+        backend.close()
+    same_metrics = [{k: v for k, v in m.items() if not k.endswith(("_per_s", "_s"))} for m in resumed.metrics] == \
+        [{k: v for k, v in m.items() if not k.endswith(("_per_s", "_s"))} for m in full.metrics[args.resume_at:]]
+    same_weights = full.weights.keys() == resumed.weights.keys() and all(
+        torch.equal(full.weights[n], resumed.weights[n]) for n in full.weights)
+    verdict = dict(steps=args.steps, bitwise_steps=sum(m["bitwise_equal_frac"] == 1.0 for m in full.metrics),
+                   resume_metrics_equal=same_metrics, resume_weights_equal=same_weights,
+                   tensors=len(full.weights))
+    print(json.dumps(verdict), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(verdict=verdict, metrics=full.metrics), indent=1))
+    return 0 if same_metrics and same_weights else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""A paged MLA latent pool without vLLM: the GPU generation path and its tests, where vLLM cannot run.
+
+`PagedLatentPool` has `parity.model.MLACache`'s interface over one block pool shared by a batch of requests, laid
+out as vLLM's paged KV cache is (`[num_blocks, block_size, L]`, a block table per request). Each request owns
+`per_request` blocks drawn in shuffled order and unwritten slots hold NaN, so a kernel that read past a request's
+length, or in another block order, would show it. `attend` reads the blocks through the block table with the kernel
+set's paged attention, as `rollout.caches.PagedLatentCache` does inside vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.kernels import Kernels
+
+
+class PagedLatentPool:
+    """Latents of `batch` requests in a shuffled block pool of `dtype` (the compute dtype, or FP8 e4m3)."""
+
+    def __init__(self, batch: int, width: int, block: int, per_request: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> None:
+        n = batch * per_request
+        self.pool = torch.full((n, block, width), float("nan"), dtype=dtype, device=device)
+        self.table = torch.randperm(n, generator=generator, device="cpu").view(batch, per_request).to(device)
+        self.length = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
+        """Write `new[b, :lens[b]]` after row b's current end (values already representable in the pool's dtype)."""
+        block = self.pool.shape[1]
+        for b, (start, n) in enumerate(zip(self.length.tolist(), lens.tolist())):
+            slots = torch.arange(start, start + n, device=self.pool.device)
+            self.pool[self.table[b, slots // block], slots % block] = new[b, :n].to(self.pool.dtype)
+        self.length = self.length + lens.to(self.length.device)
+
+    def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """`parity.model.MLACache.attend` with the keys read through the block table (`kernels.attention_paged`)."""
+        block = self.pool.shape[1]
+        n_blocks = -(-int(self.length.max()) // block)
+        pages = self.pool.unsqueeze(2)
+        return kernels.attention_paged(q, pages, pages[..., :values], self.table[:, :n_blocks], q_pos, self.length,
+                                       scale)

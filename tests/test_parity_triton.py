@@ -1,0 +1,98 @@
+"""The Triton kernel set inside both engines, on CPU under Triton's interpreter: `zerokl parity check --kernels triton`
+through the real vLLM engine (the rollout model class on the Triton kernels, the chunked KDA state in vLLM's state
+cache, attention reading vLLM's paged latent blocks in place) and the real Megatron trainer, bit for bit; and
+prefix-cache hits that resume a KDA chunk mid-way.
+
+k3-micro (configs/k3-micro.yaml: every K3 feature, bf16, MXFP4 experts, FP8 latents) keeps the interpreter's cost
+low. Triton decides interpreter vs compiler at its first import, so the checks run in a child process started with
+TRITON_INTERPRET=1 (`test_triton_kernels_in_both_engines`); on a CUDA machine the same code runs compiled (the GPU
+results are in bench/results/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerokl.cli import main
+
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
+REPO = Path(__file__).resolve().parents[1]
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+CHILD = pytest.mark.skipif(not INTERP, reason="runs in the interpreter child process")
+
+
+@pytest.mark.skipif(INTERP or torch.cuda.is_available(), reason="the interpreter run is for machines without CUDA")
+def test_triton_kernels_in_both_engines() -> None:
+    """Every check of this module, in a child process with TRITON_INTERPRET=1 (CPU tensors)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-k", "child",
+                          "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert "2 passed" in run.stdout, run.stdout[-3000:]
+
+
+@pytest.mark.skipif(INTERP or torch.cuda.is_available(), reason="a machine that can run the Triton kernels")
+def test_triton_refused_where_it_cannot_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["parity", "check", "--model", str(tmp_path), "--kernels", "triton"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "TRITON_INTERPRET=1" in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from parity.io.checkpoint import init_checkpoint
+
+    return init_checkpoint(REPO / "configs" / "k3-micro.yaml", tmp_path_factory.mktemp("k3-micro") / "k3-micro", seed=0)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(4, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@CHILD
+def test_child_parity_check_cli(micro: Path, tmp_path: Path) -> None:
+    """`zerokl parity check --kernels triton`: prompts ending before, at and past the 64-token KDA chunk (decode
+    crossing the boundary, starting on it, starting past it), each sequence alone and in a batch: every log-prob
+    bitwise equal to the trainer's."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": _ids(n, n)}) + "\n" for n in (62, 64, 70)))
+    out = tmp_path / "r.json"
+    assert main(["parity", "check", "--model", str(micro), "--kernels", "triton", "--prompts", str(prompts),
+                 "--max-tokens", "4", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["tokens"] == 2 * 3 * 4 and res["bitwise_equal"] == res["tokens"], res
+
+
+@CHILD
+def test_child_prefix_hits_resume_a_kda_chunk(micro: Path) -> None:
+    """Prefix-cache hits inside a cache block and inside a 64-token KDA chunk: the warm run reads the cached FP8
+    latents in place and restores the chunked KDA state (boundary state + pending chunk inputs) from vLLM's state
+    cache, and samples the cold run's tokens and log-probs bit for bit, which equal the one-pass Triton forward."""
+    from parity.io.checkpoint import load_checkpoint
+    from parity.kernels import get_kernels
+    from parity.model import K3Forward, K3Weights, score_sequences
+    from rollout.engine import RolloutEngine
+    from zerokl.engine_check import ENGINE_ARGS
+
+    shared = _ids(100, 1)
+    prompts = [shared + _ids(n, 10 + n) for n in (3, 21)]
+    args = {**ENGINE_ARGS, "enable_prefix_caching": True, "prefix_match_unit": 16}
+    with RolloutEngine(micro, kernels="triton", **args) as eng:
+        cold = eng.generate(prompts, max_tokens=3, seed=4)
+        warm = eng.generate(prompts, max_tokens=3, seed=4)
+    assert all(w.cached_tokens >= 80 and w.cached_tokens % 64 for w in warm), [w.cached_tokens for w in warm]
+    cfg, tensors = load_checkpoint(micro)
+    fwd = K3Forward(K3Weights.from_official(cfg.text, tensors), get_kernels("triton"))
+    for c, w in zip(cold, warm):
+        assert c.completion_ids == w.completion_ids and torch.equal(c.logprobs, w.logprobs)
+        ref = score_sequences(fwd, [c.prompt_ids + c.completion_ids])[0][len(c.prompt_ids) - 1 :]
+        assert torch.equal(ref, c.logprobs)
