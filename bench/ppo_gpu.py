@@ -119,8 +119,8 @@ class Run:
 
 def prompts_for(step: int, n: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed * 7919 + step)
-    lens = torch.randint(20, 140, (n,), generator=g).tolist()
-    return [torch.randint(4, vocab, (m,), generator=g).tolist() for m in lens]
+    lens = torch.randint(20, 140, (n,), generator=g, device="cpu").tolist()
+    return [torch.randint(4, vocab, (m,), generator=g, device="cpu").tolist() for m in lens]
 
 
 def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args: argparse.Namespace,
@@ -164,42 +164,111 @@ def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args:
     return Run(metrics, {n: t.detach().clone() for n, t in backend.export_official().items()})
 
 
+def _median_s(fn, reps: int) -> float:
+    """Median wall time of `fn` (CUDA synchronised) after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def benchmark(ckpt: Path, cfg: ModelConfig, args: argparse.Namespace) -> list[dict[str, object]]:
+    """Invariant (Triton) vs fast (cuBLAS, fla's KDA, SDPA) in one run: the trainer's forward + backward step,
+    prefill tokens/s and decode tokens/s at batch 1 and 64 through the generation path (eager, no CUDA graphs)."""
+    rows: list[dict[str, object]] = []
+    g = torch.Generator().manual_seed(5)
+    train_ids = torch.randint(4, cfg.text.vocab_size, (args.bench_batch, args.bench_len), generator=g, device="cpu")
+    train_lens = torch.full((args.bench_batch,), args.bench_len)
+    for kernels in ("invariant", "fast"):
+        backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=kernels, adapter=None)
+        with torch.device("cuda"):
+            step = _median_s(lambda: backend.train_step(
+                lambda model: model(train_ids, train_lens, 1.0).sum() / train_ids.numel()), args.bench_reps)
+            fwd = K3Forward(K3Weights.from_official(cfg.text, serving_weights(cfg.text, backend.export_official())),
+                            get_kernels(kernels))
+        backend.close()
+        rows.append(dict(kernels=kernels, what=f"trainer step, {args.bench_batch} x {args.bench_len} tokens",
+                         seconds=step))
+        with torch.device("cuda"):
+            prompts = [torch.randint(4, cfg.text.vocab_size, (args.bench_len,), generator=g, device="cpu").tolist()
+                       for _ in range(args.bench_batch)]
+            pre = _median_s(lambda: generate(fwd, cfg, prompts, 1, 1.0, 0), args.bench_reps)
+            rows.append(dict(kernels=kernels, what=f"prefill, {args.bench_batch} x {args.bench_len} tokens",
+                             seconds=pre, tokens_per_s=args.bench_batch * args.bench_len / pre))
+            for b in (1, 64):
+                short = [p[:64] for p in (prompts * 64)[:b]]
+                n = 16
+                t_all = _median_s(lambda: generate(fwd, cfg, short, n + 1, 1.0, 0), reps=1)
+                t_one = _median_s(lambda: generate(fwd, cfg, short, 1, 1.0, 0), reps=1)
+                dec = (t_all - t_one) / n
+                rows.append(dict(kernels=kernels, what=f"decode step, batch {b}", seconds=dec, tokens_per_s=b / dec))
+        del fwd
+        torch.cuda.empty_cache()
+    for r in rows:
+        if r["kernels"] == "invariant":
+            fast = next(f for f in rows if f["kernels"] == "fast" and f["what"] == r["what"])
+            r["invariant_over_fast"] = r["seconds"] / fast["seconds"]
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="configs/k3-1b.yaml")
     p.add_argument("--kernels", default="invariant", help="on CUDA: the Triton kernels")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="0: no PPO run (only --bench)")
     p.add_argument("--resume-at", type=int, default=10)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write metrics and the verdict here")
+    p.add_argument("--bench", action="store_true", help="then time invariant vs fast (trainer step, prefill, decode)")
+    p.add_argument("--bench-batch", type=int, default=8)
+    p.add_argument("--bench-len", type=int, default=512)
+    p.add_argument("--bench-reps", type=int, default=3, help="timed repetitions after one warm-up (median)")
+    p.add_argument("--json", help="write metrics, the verdict and the timings here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed)
         cfg, _ = load_checkpoint(ckpt)
-        state = Path(tmp) / "state"
-        backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=args.kernels, adapter=None)
-        full = run(backend, cfg, 0, args.steps, args, save_at=args.resume_at, state_dir=state)
-        backend.close()
-        print(f"resuming from the step-{args.resume_at} state", flush=True)
-        backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=args.kernels, adapter=None)
-        backend.load_state(state)
-        resumed = run(backend, cfg, args.resume_at, args.steps, args)
-        backend.close()
-    same_metrics = [{k: v for k, v in m.items() if not k.endswith(("_per_s", "_s"))} for m in resumed.metrics] == \
-        [{k: v for k, v in m.items() if not k.endswith(("_per_s", "_s"))} for m in full.metrics[args.resume_at:]]
+        verdict: dict[str, object] = {}
+        metrics: list[dict[str, float]] = []
+        if args.steps:
+            verdict, metrics = _ppo_and_resume(ckpt, cfg, Path(tmp) / "state", args)
+        timings = benchmark(ckpt, cfg, args) if args.bench else []
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(verdict=verdict, metrics=metrics, timings=timings), indent=1))
+    return 0 if not verdict or (verdict["resume_metrics_equal"] and verdict["resume_weights_equal"]) else 1
+
+
+def _ppo_and_resume(ckpt: Path, cfg: ModelConfig, state: Path,
+                    args: argparse.Namespace) -> tuple[dict[str, object], list[dict[str, float]]]:
+    """`--steps` steps, the state saved after `--resume-at`; a fresh trainer resumes from it to `--steps`."""
+    backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=args.kernels, adapter=None)
+    full = run(backend, cfg, 0, args.steps, args, save_at=args.resume_at, state_dir=state)
+    backend.close()
+    print(f"resuming from the step-{args.resume_at} state", flush=True)
+    backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=args.kernels, adapter=None)
+    backend.load_state(state)
+    resumed = run(backend, cfg, args.resume_at, args.steps, args)
+    backend.close()
+
+    def kept(ms: list[dict[str, float]]) -> list[dict[str, float]]:  # timings differ between runs
+        return [{k: v for k, v in m.items() if not k.endswith(("_per_s", "_s"))} for m in ms]
+
+    same_metrics = kept(resumed.metrics) == kept(full.metrics[args.resume_at:])
     same_weights = full.weights.keys() == resumed.weights.keys() and all(
         torch.equal(full.weights[n], resumed.weights[n]) for n in full.weights)
     verdict = dict(steps=args.steps, bitwise_steps=sum(m["bitwise_equal_frac"] == 1.0 for m in full.metrics),
-                   resume_metrics_equal=same_metrics, resume_weights_equal=same_weights,
-                   tensors=len(full.weights))
+                   resume_metrics_equal=same_metrics, resume_weights_equal=same_weights, tensors=len(full.weights))
     print(json.dumps(verdict), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(verdict=verdict, metrics=full.metrics), indent=1))
-    return 0 if same_metrics and same_weights else 1
+    return verdict, full.metrics
 
 
 if __name__ == "__main__":

@@ -50,13 +50,14 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     lens = kv_len.view(b, 1, 1, 1, 1).expand(b, h, nq, 1, 1).reshape(-1, 1, 1)
     kp = _pad_to(k, 1, KV_TILE).permute(0, 2, 1, 3)  # [B, H, S', D]
     vp = _pad_to(v, 1, KV_TILE).permute(0, 2, 1, 3)
-    m = torch.full((b * h * nq, Q_TILE, 1), float("-inf"))
-    l = torch.zeros(b * h * nq, Q_TILE, 1)
-    acc = torch.zeros(b * h * nq, Q_TILE, dv)
+    dev = q.device
+    m = torch.full((b * h * nq, Q_TILE, 1), float("-inf"), device=dev)
+    l = torch.zeros(b * h * nq, Q_TILE, 1, device=dev)
+    acc = torch.zeros(b * h * nq, Q_TILE, dv, device=dev)
     for start in range(0, kp.shape[2], KV_TILE):
         kt = kp[:, :, start : start + KV_TILE].unsqueeze(2).expand(b, h, nq, KV_TILE, d).reshape(-1, KV_TILE, d)
         vt = vp[:, :, start : start + KV_TILE].unsqueeze(2).expand(b, h, nq, KV_TILE, dv).reshape(-1, KV_TILE, dv)
-        key_pos = torch.arange(start, start + KV_TILE).view(1, 1, KV_TILE)
+        key_pos = torch.arange(start, start + KV_TILE, device=dev).view(1, 1, KV_TILE)
         visible = (key_pos <= pos) & (key_pos < lens)  # [N, Q_TILE, KV_TILE]
         key_ok = (key_pos < lens).view(-1, KV_TILE, 1)
         vt = torch.where(key_ok, vt, torch.zeros((), dtype=vt.dtype))
@@ -76,7 +77,7 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
 def _visible(q_pos: torch.Tensor, kv_len: torch.Tensor, s_len: int) -> torch.Tensor:
     """[B, 1, Tq, S] bool: key s visible to the query at q_pos."""
-    key_pos = torch.arange(s_len).view(1, 1, s_len)
+    key_pos = torch.arange(s_len, device=q_pos.device).view(1, 1, s_len)
     return ((key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))).unsqueeze(1)
 
 
@@ -97,7 +98,7 @@ class _Attention(torch.autograd.Function):
         scale = ctx.scale
         qh, kh, vh, oh, doh = (t.transpose(1, 2) for t in (q, k, v, o, do))  # [B, H, T, D]
         visible = _visible(q_pos, kv_len, k.shape[1])
-        key_ok = (torch.arange(k.shape[1]).view(1, 1, -1, 1) < kv_len.view(-1, 1, 1, 1))  # stale cache rows: zeroed
+        key_ok = (torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1) < kv_len.view(-1, 1, 1, 1))  # stale cache rows: zeroed
         zero = torch.zeros((), dtype=q.dtype)
         kh, vh = torch.where(key_ok, kh, zero), torch.where(key_ok, vh, zero)
         s = torch.matmul(qh, kh.transpose(2, 3)) * scale
@@ -134,7 +135,7 @@ def attention_fast(
 ) -> torch.Tensor:
     """`scaled_dot_product_attention` with an explicit mask (bits depend on shapes)."""
     s_len = k.shape[1]
-    key_pos = torch.arange(s_len).view(1, 1, s_len)
+    key_pos = torch.arange(s_len, device=q.device).view(1, 1, s_len)
     mask = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))  # [B, Tq, S]
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.to(q.dtype).transpose(1, 2), attn_mask=mask.unsqueeze(1),

@@ -21,6 +21,8 @@ T / CHUNK states instead of every token's state and intermediates.
 
 from __future__ import annotations
 
+import importlib.util
+
 from typing import Any
 
 import torch
@@ -158,8 +160,16 @@ def kda_fast(
     state: torch.Tensor,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same recurrence with `einsum` contractions (batched GEMV; bits depend on the batch)."""
+    """Same recurrence with `einsum` contractions (batched GEMV; bits depend on the batch). On CUDA with fla installed
+    and no padding: fla's `chunk_kda` (several tokens) or `fused_recurrent_kda` (one), the kernels a GPU user runs."""
     out_dtype = v.dtype
+    if q.is_cuda and importlib.util.find_spec("fla") is not None and (valid is None or bool(valid.all())):
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+        run = fused_recurrent_kda if q.shape[1] == 1 else chunk_kda
+        o, s = run(q, k, v.to(q.dtype), g, beta.to(q.dtype), scale=scale, initial_state=state.float(),
+                   output_final_state=True)
+        return o.to(out_dtype), s
     q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
     outs = []
     s = state
