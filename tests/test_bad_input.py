@@ -58,6 +58,9 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ("normalize_adv_std", "3", "normalize_adv_std must be true or false, got 3"),
     ("task_args", "[1, 2]", "task_args must be a mapping"),
     ("kl_coef", "-1", "kl_coef must be >= 0, got -1"),
+    ("kl_coef", "0.05", "kl_coef > 0 asks for a KL penalty to a reference policy, which zerokl ppo does not compute"),
+    ("entropy_coef", "0.01", "entropy_coef > 0 asks for an entropy bonus, which zerokl ppo does not compute"),
+    ("advantage", "gae", "advantage 'gae' needs a critic, which zerokl ppo does not train yet"),
     ("model", "5", "model must be a model config or checkpoint path"),
 ])
 def test_ppo_config_values_are_checked(key: str, value: str, says: str, k3_tiny: Path, tmp_path: Path,

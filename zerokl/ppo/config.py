@@ -76,6 +76,14 @@ class PPOConfig:
         for name in ("kl_coef", "entropy_coef", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ppo config: {name} must be >= 0, got {getattr(self, name)}")
+        # keys whose features are not built: refused rather than accepted and ignored
+        if self.advantage == "gae":
+            raise ConfigError("ppo config: advantage 'gae' needs a critic, which zerokl ppo does not train yet; "
+                              "use advantage: grpo")
+        for name, feature in (("kl_coef", "a KL penalty to a reference policy"), ("entropy_coef", "an entropy bonus")):
+            if getattr(self, name) > 0:
+                raise ConfigError(f"ppo config: {name} > 0 asks for {feature}, which zerokl ppo does not compute yet; "
+                                  f"set {name}: 0.0")
 
 
 _FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # what YAML 1.1 leaves a string, e.g. 3e-3
