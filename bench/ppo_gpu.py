@@ -54,7 +54,7 @@ class Samples:
 def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int, temperature: float,
              seed: int) -> Samples:
     """Chunked prefill of all prompts together (rows with fewer tokens left carry fewer, or none), then batched decode;
-    token i of row b is sampled by Gumbel-max with a generator seeded by (seed, b, i)."""
+    token i is sampled for every row at once by Gumbel-max, the noise drawn from a generator seeded by (seed, i)."""
     text = cfg.text
     b = len(prompts)
     longest = max(map(len, prompts)) + max_tokens
@@ -81,8 +81,8 @@ def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tok
     h = torch.stack(last_hidden)
     for i in range(max_tokens):
         logits = fwd.logits(h)  # [B, V]
-        gumbel = torch.stack([-torch.empty(logits.shape[-1], device="cuda").exponential_(
-            generator=torch.Generator("cuda").manual_seed(seed * 1_000_003 + r * 1009 + i)).log() for r in range(b)])
+        gumbel = -torch.empty(logits.shape, device="cuda").exponential_(
+            generator=torch.Generator("cuda").manual_seed(seed * 1_000_003 + i)).log()
         tok = (logits.float() / temperature + gumbel).argmax(-1)
         lp = fwd.token_logprobs(logits, tok, temperature)
         for r in range(b):

@@ -25,12 +25,17 @@ class PagedLatentPool:
         self.length = torch.zeros(batch, dtype=torch.long, device=device)
 
     def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
-        """Write `new[b, :lens[b]]` after row b's current end (values already representable in the pool's dtype)."""
+        """Write `new[b, :lens[b]]` after row b's current end (values already representable in the pool's dtype);
+        one scatter for the whole batch, no host synchronisation."""
         block = self.pool.shape[1]
-        for b, (start, n) in enumerate(zip(self.length.tolist(), lens.tolist())):
-            slots = torch.arange(start, start + n, device=self.pool.device)
-            self.pool[self.table[b, slots // block], slots % block] = new[b, :n].to(self.pool.dtype)
-        self.length = self.length + lens.to(self.length.device)
+        lens = lens.to(self.length.device)
+        t = new.shape[1]
+        pos = self.length.view(-1, 1) + torch.arange(t, device=self.pool.device).view(1, -1)  # [B, T]
+        keep = torch.arange(t, device=self.pool.device).view(1, -1) < lens.view(-1, 1)
+        pos = torch.where(keep, pos, 0)
+        blocks = self.table.gather(1, pos // block)
+        self.pool[blocks[keep], (pos % block)[keep]] = new[keep].to(self.pool.dtype)
+        self.length = self.length + lens
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`parity.model.MLACache.attend` with the keys read through the block table (`kernels.attention_paged`)."""

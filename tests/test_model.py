@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from parity.config import ModelConfig, load_model_config
 from parity.kernels import FAST, INVARIANT, Kernels
-from parity.model import K3Forward, K3Weights, new_cache, score_sequences
+from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
 from parity.io.checkpoint import random_weights
+from rollout.paged_pool import PagedLatentPool
 
 
 def tiny(dtype: str) -> ModelConfig:
@@ -52,9 +53,14 @@ def _assert_bits(a: torch.Tensor, b: torch.Tensor) -> None:
         raise AssertionError(f"first mismatching token {i}, max |d| = {(a - b).abs().max().item():.3e}")
 
 
-def score_incrementally(fwd: K3Forward, seq: list[int], splits: list[int], temperature: float = 1.0) -> torch.Tensor:
-    """The rollout schedule: prefill pieces ending at `splits`, then one token per step, through the caches."""
+def score_incrementally(fwd: K3Forward, seq: list[int], splits: list[int], temperature: float = 1.0,
+                        paged: bool = False) -> torch.Tensor:
+    """The rollout schedule: prefill pieces ending at `splits`, then one token per step, through the caches (with
+    `paged`, MLA latents in a shuffled block pool read through its block table, as the engines hold them)."""
     caches = new_cache(fwd.cfg, 1, fwd.dtype)
+    if paged:
+        caches = [PagedLatentPool(1, c.latent.shape[-1], 8, -(-len(seq) // 8), fwd.dtype) if isinstance(c, MLACache)
+                  else c for c in caches]
     out, start = [], 0
     for end in [*splits, *range(max(splits, default=0) + 1, len(seq) + 1)]:
         if end <= start:
@@ -84,12 +90,14 @@ def test_alone_equals_batched(any_weights: K3Weights) -> None:
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(data=st.data())
 def test_incremental_schedules_equal_one_pass(any_weights: K3Weights, data: st.DataObject) -> None:
-    """Prefill chunks at random split points (mid-tile included) then decode = one-pass scoring."""
+    """Prefill chunks at random split points (mid-tile included) then decode = one-pass scoring, with contiguous and
+    with paged latents."""
     fwd = K3Forward(any_weights, INVARIANT)
     seq = _seqs(1, seed=data.draw(st.integers(0, 1000)), lo=20, hi=30)[0]
     splits = sorted(set(data.draw(st.lists(st.integers(1, len(seq) - 1), min_size=1, max_size=3))))
     one_pass = score_sequences(fwd, [seq])[0]
     _assert_bits(score_incrementally(fwd, seq, splits), one_pass)
+    _assert_bits(score_incrementally(fwd, seq, splits, paged=True), one_pass)
 
 
 def test_fast_kernels_break_batch_invariance(weights: K3Weights) -> None:

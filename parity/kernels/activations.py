@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parity.kernels.primitives import sigmoid, silu, wide
+from parity.kernels.primitives import needs_grad, sigmoid, silu, wide
 
 
 def _situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -59,7 +59,7 @@ class _GLU(torch.autograd.Function):
 
 
 def _glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+    if needs_grad(gate, up):
         return _GLU.apply(gate, up, beta, linear_beta)
     out = _silu(gate, up) if beta is None else _situ(gate, up, beta, linear_beta)
     return out.to(gate.dtype)

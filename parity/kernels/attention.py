@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parity.kernels.primitives import tree_sum, wide
+from parity.kernels.primitives import needs_grad, tree_sum, wide
 
 Q_TILE = 16
 KV_TILE = 64
@@ -122,7 +122,7 @@ def attention_invariant(
     q, k, v = wide(q), wide(k), wide(v)
     h = q.shape[2]
     k, v = k.expand(*k.shape[:2], h, k.shape[3]), v.expand(*v.shape[:2], h, v.shape[3])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if needs_grad(q, k, v):
         return _Attention.apply(q, k, v, q_pos, kv_len, scale).to(out_dtype)
     return _tiled(q, k, v, q_pos, kv_len, scale)[0].to(out_dtype)
 

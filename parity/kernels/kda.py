@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from parity.kernels.primitives import sigmoid, softplus, tree_sum, wide
+from parity.kernels.primitives import needs_grad, sigmoid, softplus, tree_sum, wide
 
 
 CHUNK = 64  # tokens between the states the autograd forward saves
@@ -142,8 +142,7 @@ def kda_invariant(
     Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32)."""
     out_dtype = v.dtype
     q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, state))
-    if needs_grad:
+    if needs_grad(q, k, v, g, beta, state):
         o, s = _ChunkedKDA.apply(q, k, v, g, beta, state, valid, scale)
     else:
         o, s = _recurrence(q, k, v, g, beta, scale, state, valid)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parity.kernels.primitives import wide
+from parity.kernels.primitives import needs_grad, wide
 from parity.quant.mxfp4 import MXFP4Weight
 
 TILE_ROWS = 16
@@ -124,7 +124,7 @@ class _InvariantGEMM(torch.autograd.Function):
 def gemm(x: torch.Tensor, w: torch.Tensor, segments: int = 1) -> torch.Tensor:
     """x: [M, K] fp32 (or float64), w: [N, K] any float dtype -> x w^T [M, N] in x's dtype, unrounded: the invariant
     forward of `tiled_matmul`, one tiled GEMM per gradient in the backward (module docstring)."""
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+    if needs_grad(x, w):
         return _InvariantGEMM.apply(x, w, segments)
     return tiled_matmul(x, w.to(x.dtype), segments)
 

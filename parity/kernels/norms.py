@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from parity.kernels.primitives import sigmoid, tree_sum, wide
+from parity.kernels.primitives import needs_grad, sigmoid, tree_sum, wide
 
 L2_EPS = 1e-6
 
@@ -39,7 +39,7 @@ class _Normalised(torch.autograd.Function):
 
 def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) in fp32 (`_rsqrt_ms`); under autograd it saves only x and the per-row scale."""
-    if torch.is_grad_enabled() and x.requires_grad:
+    if needs_grad(x):
         return _Normalised.apply(x, eps)
     xf = wide(x)
     return xf * _rsqrt_ms(xf, eps)

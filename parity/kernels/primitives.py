@@ -43,7 +43,7 @@ class _Sigmoid(torch.autograd.Function):
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)) from layout-invariant primitives, via e = exp(-|x|) so that neither the value
     nor its gradient overflows: 1 / (1 + e) for x >= 0, e / (1 + e) below. Under autograd it saves only its output."""
-    if torch.is_grad_enabled() and x.requires_grad:
+    if needs_grad(x):
         return _Sigmoid.apply(x)
     return _sigmoid(x)
 
@@ -69,6 +69,11 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
+
+
+def needs_grad(*xs: torch.Tensor) -> bool:
+    """A gradient is being recorded and one of `xs` asks for one: an op then takes its `autograd.Function` path."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from parity.kernels.linear import LoRA
+from parity.kernels.primitives import needs_grad
 
 
 def _differentiable(x: Any) -> bool:
@@ -87,7 +88,7 @@ def trainable(forward: Callable, backward: Callable) -> Callable:
 
     def op(*args: Any, **kwargs: Any) -> Any:
         leaves = _leaves(args)
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in leaves)):
+        if not needs_grad(*leaves):
             return forward(*args, **kwargs)
         box: list = []
         diff_outs = _ForwardThenBackward.apply((forward, backward), (args, kwargs), box, *leaves)
