@@ -35,7 +35,7 @@ def test_triton_kernels_in_both_engines() -> None:
     run = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-k", "child",
                           "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert "2 passed" in run.stdout, run.stdout[-3000:]
+    assert "3 passed" in run.stdout, run.stdout[-3000:]
 
 
 @pytest.mark.skipif(INTERP or torch.cuda.is_available(), reason="a machine that can run the Triton kernels")
@@ -45,6 +45,13 @@ def test_triton_refused_where_it_cannot_run(tmp_path: Path, capsys: pytest.Captu
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "TRITON_INTERPRET=1" in err and "Traceback" not in err
+
+
+@CHILD
+def test_child_triton_refuses_tensor_parallel(micro: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["parity", "check", "--model", str(micro), "--kernels", "triton", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 2 with --kernels triton is not built" in err and "Traceback" not in err
 
 
 @pytest.fixture(scope="module")

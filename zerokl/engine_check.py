@@ -96,6 +96,9 @@ class TensorParallelScorer:
     def __init__(self, checkpoint: Path, tp: int, kernels: str, adapter: str | Path | None):
         from trainer.megatron.sharding import check_divisible
 
+        if kernels == "triton":
+            raise ConfigError(f"--tp {tp} with --kernels triton is not built: the Triton GEMM adds its own fixed K "
+                              "segments, which a row-parallel split would have to follow; use --tp 1")
         try:  # a bad --tp fails here, before anything starts
             check_divisible(load_checkpoint(checkpoint)[0].text, tp, 1)
         except ValueError as e:
