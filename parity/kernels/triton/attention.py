@@ -28,6 +28,40 @@ WIDE_Q, WIDE_KV, WIDE_DC, WIDE_DV = 64, 64, 64, 128  # its query / key tiles, D 
 LOG2E = math.log2(math.e)
 
 
+@triton.jit
+def _key_rows(table_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, PAGED: tl.constexpr):
+    """Element offsets of keys `ks` of row b in k and v: through the block table (PAGED) or contiguous."""
+    if PAGED:
+        blk = tl.load(table_ptr + b * stb + ks // PAGE, mask=key_ok, other=0).to(tl.int64)
+        return blk * skb + (ks % PAGE) * skt, blk * svb + (ks % PAGE) * svt
+    return b * skb + ks.to(tl.int64) * skt, b * svb + ks.to(tl.int64) * svt
+
+
+@triton.jit
+def _walk_start(pos_ptr, len_ptr, b, spb, rq, qmask, BQ: tl.constexpr, BDV: tl.constexpr):
+    """A query tile's positions, its row's key count, the end of the key range it walks (its last visible key + 1)
+    and empty running max, sum and accumulator."""
+    pos = tl.load(pos_ptr + b * spb + rq, mask=qmask, other=0)
+    kv_len = tl.load(len_ptr + b)
+    hi = tl.minimum(tl.max(tl.where(qmask, pos, 0), axis=0) + 1, kv_len)
+    return (pos, kv_len, hi, tl.full((BQ,), float("-inf"), dtype=tl.float32), tl.zeros((BQ,), dtype=tl.float32),
+            tl.zeros((BQ, BDV), dtype=tl.float32))
+
+
+@triton.jit
+def _softmax_step(s, m, l, ks, key_ok, pos, qk_scale):
+    """One key tile of the online softmax: scores s (unscaled) masked to visible keys -> (p, rescale alpha of the
+    running sums, new l, new m). A fully masked tile gives p = 0 and alpha = 1 (a bit-exact no-op)."""
+    s = s * qk_scale
+    visible = (ks[None, :] <= pos[:, None]) & key_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    return p, alpha, l * alpha + tl.sum(p, axis=1), m_new
+
+
 @triton.jit(do_not_specialize=["Tq"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq, D, DV, qk_scale,
                  sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb, stb, PAGE,
@@ -50,22 +84,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
         d2 = BD + tl.arange(0, BD2)
         q2 = tl.load(q_ptr + b * sqb + rq[:, None] * sqt + h * sqh + d2[None, :],
                      mask=qmask[:, None] & (d2[None, :] < D), other=0.0)
-    pos = tl.load(pos_ptr + b * spb + rq, mask=qmask, other=0)
-    kv_len = tl.load(len_ptr + b)
-    hi = tl.minimum(tl.max(tl.where(qmask, pos, 0), axis=0) + 1, kv_len)
-    m = tl.full((BQ,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BQ,), dtype=tl.float32)
-    acc = tl.zeros((BQ, BDV), dtype=tl.float32)
+    pos, kv_len, hi, m, l, acc = _walk_start(pos_ptr, len_ptr, b, spb, rq, qmask, BQ, BDV)
     for start in range(0, hi, BKV):
         ks = start + tl.arange(0, BKV)
         key_ok = ks < kv_len
-        if PAGED:
-            blk = tl.load(table_ptr + b * stb + ks // PAGE, mask=key_ok, other=0).to(tl.int64)
-            krow = blk * skb + (ks % PAGE) * skt
-            vrow = blk * svb + (ks % PAGE) * svt
-        else:
-            krow = b * skb + ks.to(tl.int64) * skt
-            vrow = b * svb + ks.to(tl.int64) * svt
+        krow, vrow = _key_rows(table_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, PAGED)
         kt = tl.load(k_ptr + krow[None, :] + h * skh + d[:, None], mask=key_ok[None, :] & (d[:, None] < D),
                      other=0.0).to(q.dtype)
         vt = tl.load(v_ptr + vrow[:, None] + h * svh + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV),
@@ -75,14 +98,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
             kt2 = tl.load(k_ptr + krow[None, :] + h * skh + d2[:, None], mask=key_ok[None, :] & (d2[:, None] < D),
                           other=0.0).to(q.dtype)
             s = mma(q2, kt2, s, PREC, INTERP)
-        s = s * qk_scale
-        visible = (ks[None, :] <= pos[:, None]) & key_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
+        p, alpha, l, m_new = _softmax_step(s, m, l, ks, key_ok, pos, qk_scale)
         acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, INTERP)
         m = m_new
     o = acc / l[:, None]
@@ -108,36 +124,18 @@ def _attn_wide_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H
     dc = tl.arange(0, BDC)
     dv = pid_v * BDV + tl.arange(0, BDV)
     q_row = q_ptr + b * sqb + rq[:, None] * sqt + h * sqh
-    pos = tl.load(pos_ptr + b * spb + rq, mask=qmask, other=0)
-    kv_len = tl.load(len_ptr + b)
-    hi = tl.minimum(tl.max(tl.where(qmask, pos, 0), axis=0) + 1, kv_len)
-    m = tl.full((BQ,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BQ,), dtype=tl.float32)
-    acc = tl.zeros((BQ, BDV), dtype=tl.float32)
+    pos, kv_len, hi, m, l, acc = _walk_start(pos_ptr, len_ptr, b, spb, rq, qmask, BQ, BDV)
     for start in range(0, hi, BKV):
         ks = start + tl.arange(0, BKV)
         key_ok = ks < kv_len
-        if PAGED:
-            blk = tl.load(table_ptr + b * stb + ks // PAGE, mask=key_ok, other=0).to(tl.int64)
-            krow = blk * skb + (ks % PAGE) * skt
-            vrow = blk * svb + (ks % PAGE) * svt
-        else:
-            krow = b * skb + ks.to(tl.int64) * skt
-            vrow = b * svb + ks.to(tl.int64) * svt
+        krow, vrow = _key_rows(table_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, PAGED)
         s = tl.zeros((BQ, BKV), dtype=tl.float32)
         for d0 in range(0, D, BDC):
             qc = tl.load(q_row + d0 + dc[None, :], mask=qmask[:, None] & (d0 + dc[None, :] < D), other=0.0)
             kc = tl.load(k_ptr + krow[None, :] + h * skh + d0 + dc[:, None],
                          mask=key_ok[None, :] & (d0 + dc[:, None] < D), other=0.0).to(qc.dtype)
             s = mma(qc, kc, s, PREC, INTERP)
-        s = s * qk_scale
-        visible = (ks[None, :] <= pos[:, None]) & key_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
+        p, alpha, l, m_new = _softmax_step(s, m, l, ks, key_ok, pos, qk_scale)
         vt = tl.load(v_ptr + vrow[:, None] + h * svh + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV),
                      other=0.0).to(q_ptr.dtype.element_ty)
         acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, INTERP)
