@@ -61,6 +61,8 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ("kl_coef", "0.05", "kl_coef > 0 asks for a KL penalty to a reference policy, which zerokl ppo does not compute"),
     ("entropy_coef", "0.01", "entropy_coef > 0 asks for an entropy bonus, which zerokl ppo does not compute"),
     ("advantage", "gae", "advantage 'gae' needs a critic, which zerokl ppo does not train yet"),
+    ("num_minibatches", "64", "num_minibatches = 64 is more than the 32 samples of a step"),
+    ("ppo_epochs", "0", "ppo_epochs must be >= 1, got 0"),
     ("model", "5", "model must be a model config or checkpoint path"),
 ])
 def test_ppo_config_values_are_checked(key: str, value: str, says: str, k3_tiny: Path, tmp_path: Path,

@@ -51,8 +51,9 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask
     surrogate = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
     denom = mask.sum().clamp(min=1)
     loss = (surrogate * mask).sum() / denom
-    stats = {"clip_frac": float((((ratio - 1).abs() > clip).float() * mask).sum() / denom),
-             "ratio_mean": float((ratio * mask).sum() / denom)}
+    rd = ratio.detach()
+    stats = {"clip_frac": float((((rd - 1).abs() > clip).float() * mask).sum() / denom),
+             "ratio_mean": float((rd * mask).sum() / denom)}
     if ref_logp is not None and kl_coef:
         r = ref_logp - logp
         kl = ((torch.exp(r) - 1 - r) * mask).sum() / denom

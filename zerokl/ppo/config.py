@@ -30,6 +30,8 @@ class PPOConfig:
     max_tokens: int = 8
     lr: float = 3e-3
     clip: float = 0.2
+    ppo_epochs: int = 1  # passes over each step's samples
+    num_minibatches: int = 1  # optimizer steps per pass (the samples shuffled, then split)
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     advantage: str = "grpo"
@@ -65,9 +67,14 @@ class PPOConfig:
         if self.zero_stage not in ZERO_STAGES:
             raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
                               f"got {self.zero_stage!r}")
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every", "lora_rank"):
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every", "lora_rank",
+                     "ppo_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_minibatches > self.prompts_per_step * self.samples_per_prompt:
+            raise ConfigError(f"ppo config: num_minibatches = {self.num_minibatches} is more than the "
+                              f"{self.prompts_per_step * self.samples_per_prompt} samples of a step "
+                              "(prompts_per_step x samples_per_prompt)")
         if self.samples_per_prompt < 2 and self.advantage == "grpo":
             raise ConfigError("ppo config: samples_per_prompt must be >= 2 for the GRPO group baseline")
         for name in ("temperature", "lr", "clip", "grad_clip", "lora_alpha"):

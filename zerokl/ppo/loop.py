@@ -3,10 +3,14 @@ DeepSpeed ZeRO, `trainer.backend`), weight sync back into the engine, every step
 
 Per step: sample prompts from the task -> `RolloutEngine.generate` (n samples each, temperature sampling,
 log-probs of the sampled tokens, tagged with the policy version) -> rule-based rewards -> GRPO advantages
--> one differentiable trainer forward over prompt + completion. Before any update, the trainer's log-probs
-of the sampled tokens must equal the rollout log-probs bit for bit (KL = 0, every ratio exactly 1);
-otherwise the run stops with a first-divergence diagnosis (or only reports it with `on_mismatch: warn`).
-Then the clipped surrogate step with the backend's optimizer, and a versioned, checksummed weight sync.
+-> the trainer. Before any update, the trainer's log-probs of the sampled tokens at the generating policy version
+must equal the rollout log-probs bit for bit (KL = 0, every ratio exactly 1); otherwise the run stops with a
+first-divergence diagnosis (or only reports it with `on_mismatch: warn`). With one update per step that check is
+the update's own forward; with `ppo_epochs` x `num_minibatches` > 1 it is a no-grad pass over every sample first
+(the "old log-probs" recompute), and the updates follow: each epoch shuffles the samples (seeded by the step) and
+takes one clipped-surrogate optimizer step per minibatch, old log-probs being the rollout's (the check proved them
+the trainer's). Later minibatches are off-policy by design: `ppo_kl` (mean old - new log-prob over the updates'
+tokens) and `clipfrac` say how far. Then a versioned, checksummed weight sync.
 
 Everything the next step depends on (weights, optimizer state, RNG states, task cursor, policy version) is
 checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
@@ -248,28 +252,56 @@ class PPORun:
             mask[i, :c] = 1.0
             old[i, :c] = s.logprobs
         report: dict[str, Any] = {}
+        per_update: list[dict[str, float]] = []
+        n = len(samples)
+        updates = cfg.ppo_epochs * cfg.num_minibatches
 
-        def loss_fn(model: torch.nn.Module) -> torch.Tensor:
-            lp = token_logprobs(model, batch, cfg.temperature).gather(1, index)  # [N, n_tok]
+        def check(lp: torch.Tensor) -> None:
+            """The zero-KL check: the trainer's log-probs at the generating version vs the rollout's, every token."""
             rollout = [SequenceLogprobs(str(i), s.completion_ids, s.logprobs) for i, s in enumerate(samples)]
             trainer = [SequenceLogprobs(str(i), s.completion_ids, lp[i, : len(s.completion_ids)].detach())
                        for i, s in enumerate(samples)]
             report["parity"] = compare(rollout, trainer)
             if not report["parity"].all_equal and cfg.on_mismatch == "stop":
                 raise ParityViolation("trainer log-probs differ from the rollout engine's")
-            loss, stats = ppo_loss(lp, old, adv, mask, cfg.clip)
-            report.update(stats)
-            return loss
+
+        def loss_for(rows: torch.Tensor) -> Callable[[torch.nn.Module], torch.Tensor]:
+            """The clipped surrogate on the samples `rows`; old log-probs are the rollout's (bitwise the trainer's at
+            the generating version, which `check` establishes)."""
+            sub = PaddedBatch(batch.input_ids[rows], batch.lens[rows])
+
+            def loss_fn(model: torch.nn.Module) -> torch.Tensor:
+                lp = token_logprobs(model, sub, cfg.temperature).gather(1, index[rows])
+                if updates == 1:  # the one update's forward runs at the generating version: it is the check
+                    check(lp)
+                loss, stats = ppo_loss(lp, old[rows], adv[rows], mask[rows], cfg.clip)
+                m = mask[rows]
+                stats["ppo_kl"] = float(((old[rows] - lp.detach()) * m).sum() / m.sum().clamp(min=1))
+                per_update.append(stats)
+                return loss
+
+            return loss_fn
 
         t1 = time.perf_counter()
+        losses, norms = [], []
+        shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step))
         try:
-            loss, grad_norm = self.backend.train_step(loss_fn)
+            if updates > 1:  # the old-log-prob pass: every sample at the generating version, before any update
+                check(self.backend.logprobs(batch, cfg.temperature).gather(1, index))
+            for _ in range(cfg.ppo_epochs):
+                order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
+                for rows in order.tensor_split(cfg.num_minibatches):
+                    loss, grad_norm = self.backend.train_step(loss_for(rows))
+                    losses.append(loss)
+                    norms.append(grad_norm)
         except ParityViolation:
             return StepResult(self._metrics(report, rewards, samples, t_roll, None), self._diagnose(report, samples))
+        loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
         t_train = time.perf_counter() - t1
         metrics = self._metrics(report, rewards, samples, t_roll, t_train)
         self._sync_new_version()
-        metrics.update(loss=loss, grad_norm=grad_norm)
+        metrics.update(loss=loss, grad_norm=grad_norm, ppo_kl=sum(u["ppo_kl"] for u in per_update) / updates,
+                       clipfrac=sum(u["clip_frac"] for u in per_update) / updates)
         if self.last_sync is not None:  # rank 0
             metrics.update(sync_seconds=self.last_sync.seconds, sync_bytes=self.last_sync.nbytes)
             if not self.cfg.lora and self.backend.model_cfg.text.expert_format is not None:
