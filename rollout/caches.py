@@ -27,6 +27,7 @@ from torch import nn
 from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.model import KDACache
+from rollout.paged_pool import attend_paged
 from rollout.backends import (
     KDAStateBackend,
     KDAStateMetadata,
@@ -107,13 +108,8 @@ class PagedLatentCache:
         self.length = self.length + lens
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-        """`parity.model.MLACache.attend` with the keys read from the pages through the block table
-        (`kernels.attention_paged`: the Triton kernel reads the blocks in place; the torch kernels gather them)."""
-        block_size = self.pages.shape[1]
-        n_blocks = -(-int(self.length.max()) // block_size)
-        pages = self.pages.unsqueeze(2)  # [num_blocks, block_size, 1, L]: one key head
-        return kernels.attention_paged(q, pages, pages[..., :values], self.block_table[:, :n_blocks], q_pos,
-                                       self.length, scale)
+        """`parity.model.MLACache.attend` with the keys read from vLLM's pages through the block table."""
+        return attend_paged(kernels, self.pages, self.block_table, self.length, q, values, q_pos, scale)
 
 
 class LatentCacheLayer(nn.Module, AttentionLayerBase):

@@ -39,8 +39,14 @@ class PagedLatentPool:
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`parity.model.MLACache.attend` with the keys read through the block table (`kernels.attention_paged`)."""
-        block = self.pool.shape[1]
-        n_blocks = -(-int(self.length.max()) // block)
-        pages = self.pool.unsqueeze(2)
-        return kernels.attention_paged(q, pages, pages[..., :values], self.table[:, :n_blocks], q_pos, self.length,
-                                       scale)
+        return attend_paged(kernels, self.pool, self.table, self.length, q, values, q_pos, scale)
+
+
+def attend_paged(kernels: Kernels, pages: torch.Tensor, block_table: torch.Tensor, length: torch.Tensor,
+                 q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """`parity.model.MLACache.attend` over latent pages [num_blocks, block_size, L] (one key head; values: the first
+    `values` channels) through `block_table` [B, max_blocks], rows holding `length` [B] positions: the kernel set's
+    `attention_paged` (the Triton kernel reads the blocks in place; the torch kernels gather them)."""
+    n_blocks = -(-int(length.max()) // pages.shape[1])
+    heads = pages.unsqueeze(2)  # [num_blocks, block_size, 1, L]
+    return kernels.attention_paged(q, heads, heads[..., :values], block_table[:, :n_blocks], q_pos, length, scale)
