@@ -38,6 +38,7 @@ from parity.model import K3Forward, K3Weights, MLACache, new_cache  # noqa: E402
 from parity.quant import fp8  # noqa: E402
 from parity.weights import serving_weights  # noqa: E402
 from rollout.paged_pool import PagedLatentPool  # noqa: E402
+from trainer.logprobs import PaddedBatch, token_logprobs  # noqa: E402
 from trainer.megatron.backend import MegatronBackend  # noqa: E402
 
 BLOCK = 16  # paged latent block size
@@ -96,13 +97,9 @@ def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tok
 
 def trainer_logprobs(backend: MegatronBackend, s: Samples, temperature: float, grad: bool) -> list[torch.Tensor]:
     """The trainer's log-probs of each sequence's completion tokens (one padded forward over prompt + completion)."""
-    seqs = [p + c for p, c in zip(s.prompts, s.completions)]
-    t = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), t, dtype=torch.long)
-    for r, q in enumerate(seqs):
-        ids[r, : len(q)] = torch.tensor(q)
+    batch = PaddedBatch.from_sequences([p + c for p, c in zip(s.prompts, s.completions)])
     with torch.set_grad_enabled(grad):
-        lp = backend.trainer.model(ids, torch.tensor([len(q) for q in seqs]), temperature)
+        lp = token_logprobs(backend.trainer.model, batch, temperature)
     return [lp[r, len(p) - 1 : len(p) - 1 + len(c)] for r, (p, c) in enumerate(zip(s.prompts, s.completions))]
 
 

@@ -17,7 +17,6 @@ per key tile is saved.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from typing import Any
 
 import torch
@@ -98,7 +97,8 @@ class _Attention(torch.autograd.Function):
         scale = ctx.scale
         qh, kh, vh, oh, doh = (t.transpose(1, 2) for t in (q, k, v, o, do))  # [B, H, T, D]
         visible = _visible(q_pos, kv_len, k.shape[1])
-        key_ok = (torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1) < kv_len.view(-1, 1, 1, 1))  # stale cache rows: zeroed
+        key_pos = torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1)
+        key_ok = key_pos < kv_len.view(-1, 1, 1, 1)  # stale cache rows: zeroed
         zero = torch.zeros((), dtype=q.dtype)
         kh, vh = torch.where(key_ok, kh, zero), torch.where(key_ok, vh, zero)
         s = torch.matmul(qh, kh.transpose(2, 3)) * scale

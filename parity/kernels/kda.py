@@ -22,7 +22,6 @@ T / CHUNK states instead of every token's state and intermediates.
 from __future__ import annotations
 
 import importlib.util
-
 from typing import Any
 
 import torch

@@ -61,7 +61,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(x: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor | None, eps: float, kind: int) -> torch.Tensor:
-    check_dtype(x, *(t for t in (gate,) if t is not None))
+    check_dtype(*(t for t in (x, gate) if t is not None))
     check_weights(w)
     d = x.shape[-1]
     x2 = _rows(x)
