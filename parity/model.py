@@ -39,6 +39,7 @@ from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import wide
 from parity.quant import fp8, mxfp4
 from parity.quant.mxfp4 import MXFP4Weight
+from parity.quant.bf16 import holds_bf16_values, mark_bf16_valued
 from parity.quant.ste import straight_through
 from parity.weights import is_quantized, is_row_parallel, packed_names, text_names, text_specs
 
@@ -49,7 +50,9 @@ def bf16_values(w: torch.Tensor) -> torch.Tensor:
     """`w` as the bf16 compute copy sees it: a bf16 tensor as it is; a wider master rounded to bf16 values, kept in
     its dtype with a straight-through gradient in fp32 (Megatron keeps its main grads in fp32 the same way). The kernels
     upcast bf16 operands, so both give the same bits."""
-    return w if w.dtype == torch.bfloat16 else straight_through(w, lambda t: t.to(torch.bfloat16).to(t.dtype))
+    if w.dtype == torch.bfloat16:
+        return w
+    return mark_bf16_valued(straight_through(w, lambda t: t.to(torch.bfloat16).to(t.dtype)))
 
 
 @dataclass
@@ -246,16 +249,24 @@ class K3Forward:
         o = self.k.gated_rmsnorm(o, gate, self.weight(f"{p}.o_norm.weight"), KDA_NORM_EPS)
         return self._lin(o.reshape(b, t, h * d), f"{p}.o_proj.weight")
 
-    def _kv_b_heads(self, p: str) -> torch.Tensor:
-        """kv_b_proj as [H, dn + dv, r] (per head: the k_nope rows, then the v rows); with a LoRA the effective weight
-        W + scale * B A in fp32 (one invariant GEMM: it depends on the weights only, never on the batch)."""
+    def _kv_b_heads(self, p: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """kv_b_proj per head: (its k_nope rows transposed, [r, dn]: q_nope -> latent; its v rows, [dv, r]: latent -> v),
+        each a `linear` weight; with a LoRA the effective weight W + scale * B A in fp32 (one invariant GEMM: it depends on the weights only, never on the
+        batch). The per-head views keep the weight's bf16-values mark (`parity.quant.bf16`)."""
         c = self.cfg
         name = f"{p}.kv_b_proj.weight"
         w = self.weight(name)
         lora = self._lora(name)
         if lora is not None:
             w = wide(w) + self.k.linear(wide(lora.b), wide(lora.a).t()) * lora.scale
-        return w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        heads = w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        dn = c.qk_nope_head_dim
+
+        def same_values(view: torch.Tensor) -> torch.Tensor:
+            return mark_bf16_valued(view) if holds_bf16_values(w) else view
+
+        return ([same_values(heads[i, :dn].t()) for i in range(len(heads))],
+                [same_values(heads[i, dn:]) for i in range(len(heads))])
 
     def _mla(self, x: torch.Tensor, p: str, cache: MLACache, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """NoPE MLA on normalised input x: [B, T, D]; appends this step's latents to `cache`.
@@ -277,11 +288,11 @@ class K3Forward:
         if c.latent_cache == "fp8_e4m3":
             latent = fp8.round_trip(latent)  # the values the FP8 cache holds, for every reader
         cache.append(latent, lens)
-        kv_b = self._kv_b_heads(p)
-        q_lat = torch.stack([self.k.linear(q[:, :, i, :dn], kv_b[i, :dn].t()) for i in range(h)], dim=2)  # [B, T, H, r]
+        uk_t, uv = self._kv_b_heads(p)
+        q_lat = torch.stack([self.k.linear(q[:, :, i, :dn], uk_t[i]) for i in range(h)], dim=2)  # [B, T, H, r]
         q_abs = torch.cat([q_lat, q[..., dn:]], dim=-1).reshape(b, t * h, 1, r + dr)  # rows (token, head)
         o_lat = cache.attend(self.k, q_abs, r, pos.repeat_interleave(h, dim=1), (dn + dr) ** -0.5).view(b, t, h, r)
-        o = torch.stack([self.k.linear(o_lat[:, :, i], kv_b[i, dn:]) for i in range(h)], dim=2)  # [B, T, H, dv]
+        o = torch.stack([self.k.linear(o_lat[:, :, i], uv[i]) for i in range(h)], dim=2)  # [B, T, H, dv]
         if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
             o = (wide(o) * self.k.sigmoid(wide(self._lin(x, f"{p}.g_proj.weight")).view(b, t, h, dv))).to(o.dtype)
         return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")

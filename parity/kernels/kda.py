@@ -148,6 +148,28 @@ def kda_invariant(
     return o.to(out_dtype), s
 
 
+def _fla_runs(q: torch.Tensor) -> bool:
+    return q.is_cuda and importlib.util.find_spec("fla") is not None
+
+
+def _kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+             state: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's `chunk_kda` (several tokens) or `fused_recurrent_kda` (one): the kernels a GPU user runs and trains with
+    (deterministic: no atomics). Padding runs as identity steps (g = 0 and beta = 0 leave the state as it is; the
+    output there is zeroed), so padded tokens get no gradient, as in `kda_invariant`."""
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    if valid is not None:
+        g = torch.where(valid[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+        beta = torch.where(valid[..., None], beta, torch.zeros((), dtype=beta.dtype, device=beta.device))
+    run = fused_recurrent_kda if q.shape[1] == 1 else chunk_kda
+    o, s = run(q, k, v.to(q.dtype), g, beta.to(q.dtype), scale=scale, initial_state=state.float(),
+               output_final_state=True)
+    if valid is not None:
+        o = o * valid[..., None, None]
+    return o.to(v.dtype), s
+
+
 def kda_fast(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -158,16 +180,11 @@ def kda_fast(
     state: torch.Tensor,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same recurrence with `einsum` contractions (batched GEMV; bits depend on the batch). On CUDA with fla installed
-    and no padding: fla's `chunk_kda` (several tokens) or `fused_recurrent_kda` (one), the kernels a GPU user runs."""
+    """Same recurrence with `einsum` contractions (batched GEMV; bits depend on the batch); on CUDA with fla installed,
+    fla's kernels (`_kda_fla`)."""
+    if _fla_runs(q):
+        return _kda_fla(q, k, v, g, beta, scale, state, valid)
     out_dtype = v.dtype
-    if q.is_cuda and importlib.util.find_spec("fla") is not None and (valid is None or bool(valid.all())):
-        from fla.ops.kda import chunk_kda, fused_recurrent_kda
-
-        run = fused_recurrent_kda if q.shape[1] == 1 else chunk_kda
-        o, s = run(q, k, v.to(q.dtype), g, beta.to(q.dtype), scale=scale, initial_state=state.float(),
-                   output_final_state=True)
-        return o.to(out_dtype), s
     q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
     outs = []
     s = state
@@ -186,6 +203,24 @@ def kda_fast(
     if not outs:
         return v.new_zeros(v.shape, dtype=out_dtype), s
     return torch.stack(outs, dim=1).to(out_dtype), s
+
+
+def kda_for_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence a trainer on the Triton kernels differentiates (`parity.kernels.triton.autograd`): on CUDA with
+    fla, fla's chunked kernels and their backward (`_kda_fla`); elsewhere `kda_invariant` and its chunked backward.
+    Either is the gradient of the same function, deterministic for fixed shapes."""
+    if _fla_runs(q):
+        return _kda_fla(q, k, v, g, beta, scale, state, valid)
+    return kda_invariant(q, k, v, g, beta, scale, state, valid)
 
 
 def kda_gate_invariant(

@@ -26,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from parity.quant.bf16 import mark_bf16_valued
 from parity.quant.ste import straight_through
 
 GROUP = 32
@@ -129,4 +130,4 @@ def fake_quantize(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """The values the rollout engine computes with after a sync of master weight `w` (in w's dtype; the kernels
     upcast bf16 operands, so these give the packed weights' bits), differentiable (straight-through) so the
     trainer's forward is quantisation-aware."""
-    return straight_through(w, lambda t: quantize(t, name).dequantize(t.dtype))
+    return mark_bf16_valued(straight_through(w, lambda t: quantize(t, name).dequantize(t.dtype)))

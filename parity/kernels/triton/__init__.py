@@ -17,7 +17,8 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 | token_logprobs | `parity.kernels.logprobs` | the rollout engine's sampler arithmetic (torch `log_softmax` on fp32 logits / T, one row-invariant reduction per row; tests check it on CUDA) |
 
 Gradients (`autograd.py`): with a gradient needed, each op runs its Triton forward and takes its backward from
-the CPU invariant set's op re-run on the saved inputs (torch code, on any device).
+the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from fla's chunked
+kernels (`parity.kernels.kda.kda_for_gradients`).
 
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
@@ -31,10 +32,12 @@ on CPU tensors (chosen per call from the input's device; both are the invariant 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
+from parity.kernels.kda import kda_for_gradients
 from parity.kernels.registry import INVARIANT, Kernels
 from parity.kernels.triton import attention, attn_res, conv, kda, linear, moe, rowwise
 from parity.kernels.triton.attention import attention_paged
@@ -58,7 +61,8 @@ _TRITON_OPS = dict(
     attn_res_mix=attn_res.attn_res_mix,
     route=moe.route,
 )
-TRITON = Kernels(name="triton", **{f: trainable(op, getattr(INVARIANT, f)) for f, op in _TRITON_OPS.items()},
+_GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients)  # the op each Triton op's gradient is taken from
+TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f)) for f, op in _TRITON_OPS.items()},
                  token_logprobs=INVARIANT.token_logprobs)
 
 

@@ -1,10 +1,10 @@
-"""Gradients for the Triton kernel set: the Triton kernel's forward, the CPU kernel set's backward.
+"""Gradients for the Triton kernel set: the Triton kernel's forward, a torch op's backward.
 
 `trainable(forward, backward)` is an op with `forward`'s signature. With no gradient needed it is `forward` itself.
 Otherwise it returns `forward`'s outputs (so the log-probs a trainer computes are the Triton kernels' bits, the
 ones the rollout side computes) and, on backward, re-runs `backward` (the invariant set's torch op, whose own
-`autograd.Function` keeps its backward lean: `parity.kernels.linear.gemm`, attention's log-sum-exp, the chunked
-KDA's boundary states) on the saved inputs and takes its gradients. The recompute costs one more forward of the
+`autograd.Function` keeps its backward lean: `parity.kernels.linear.gemm`, attention's log-sum-exp; for KDA on
+CUDA fla's chunked kernels, `parity.kernels.kda.kda_for_gradients`) on the saved inputs and takes its gradients. The recompute costs one more forward of the
 op; what is saved per op is its inputs, as activation checkpointing saves them.
 
 Invariant: the gradient is a function of the op's inputs alone (the backward op is deterministic for fixed

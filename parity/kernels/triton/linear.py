@@ -41,6 +41,7 @@ import triton.language as tl
 
 from parity.kernels.linear import LoRA
 from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2, weight_tile
+from parity.quant.bf16 import holds_bf16_values
 from parity.quant.mxfp4 import GROUP, MXFP4Weight
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -270,16 +271,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor 
     return y
 
 
-def _holds_bf16(w: torch.Tensor) -> bool:
-    """Every value of fp32 `w` is a bf16 value (one comparison pass; only mixed-dtype calls pay it)."""
-    return torch.equal(w.to(torch.bfloat16).to(torch.float32), w)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None, segments: int = 1) -> torch.Tensor:
     """x: [..., K], w: [N, K] (fp32, bf16 or packed MXFP4) -> [..., N] in x's dtype: x W^T + ((x A^T) B^T) * scale.
-    Operands of different dtypes run in fp32 (the bf16 one upcast exactly), except bf16 x on an fp32 weight holding
-    only bf16 values (a trainer's rounded master), which runs as the bf16 GEMM on that weight, so a trainer and an
-    engine holding the weight in bf16 get the same bits; MXFP4 with fp32 x is dequantised first.
+    Operands of different dtypes run in fp32 (the bf16 one upcast exactly), except bf16 x on an fp32 weight marked as
+    holding only bf16 values (a trainer's rounded master: `parity.quant.bf16`), which runs as the bf16 GEMM on that
+    weight, so a trainer and an engine holding the weight in bf16 get the same bits; MXFP4 with fp32 x is
+    dequantised first.
     `segments` (the CPU kernel's K segmentation of row-parallel projections) does not apply: this GEMM always adds
     its own fixed K segments (`gemm_config`), which a GPU tensor-parallel split would have to follow."""
     out_dtype = x.dtype
@@ -288,7 +285,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = N
     if isinstance(w, MXFP4Weight):
         dtype = torch.bfloat16
     else:
-        if x.dtype == torch.bfloat16 and w.dtype == torch.float32 and _holds_bf16(w):
+        if x.dtype == torch.bfloat16 and w.dtype == torch.float32 and holds_bf16_values(w):
             w = w.to(torch.bfloat16)  # a trainer's master rounded for the bf16 forward: the engine's bf16 weight
         dtype = torch.promote_types(x.dtype, w.dtype)
         w = w.to(dtype)
