@@ -20,10 +20,12 @@ Prints one line per step and a summary; exit 0 only if every step is bitwise and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,18 +127,23 @@ def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args:
     kernels = get_kernels(args.kernels)
     metrics = []
     for step in range(first, last):
-        with torch.device("cuda"):
+        with torch.device("cuda"), _profiled(step == args.profile_step):
+            t0 = time.perf_counter()
             fwd = K3Forward(K3Weights.from_official(cfg.text, serving_weights(cfg.text, backend.export_official())),
                             kernels)
+            torch.cuda.synchronize()
+            t_sync = time.perf_counter() - t0
             t0 = time.perf_counter()
             s = generate(fwd, cfg, prompts_for(step, args.batch, cfg.text.vocab_size, args.seed), args.max_tokens,
                          args.temperature, args.seed * 100_003 + step)
             torch.cuda.synchronize()
             t_gen = time.perf_counter() - t0
+            t0 = time.perf_counter()
             old = trainer_logprobs(backend, s, args.temperature, grad=False)
             equal = sum(int(torch.equal(a, b)) for a, b in zip(old, s.logprobs))
             max_diff = max(float((a - b).abs().max()) for a, b in zip(old, s.logprobs))
             kl = float(sum((b - a).sum() for a, b in zip(old, s.logprobs))) / sum(map(len, old))
+            t_check = time.perf_counter() - t0
             if equal != len(old):
                 raise SystemExit(f"step {step}: trainer != generation on {len(old) - equal}/{len(old)} sequences, "
                                  f"max |d logprob| {max_diff:.3e}")
@@ -153,12 +160,27 @@ def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args:
             t_train = time.perf_counter() - t0
         m = dict(step=step, kl=kl, bitwise_equal_frac=equal / len(old), max_abs_logprob_diff=max_diff,
                  reward_mean=float(rewards.mean()), loss=loss, grad_norm=grad_norm,
-                 gen_tokens_per_s=args.batch * args.max_tokens / t_gen, train_step_s=t_train)
+                 gen_tokens_per_s=args.batch * args.max_tokens / t_gen, sync_s=t_sync, gen_s=t_gen, check_s=t_check,
+                 train_step_s=t_train)
         print(json.dumps(m), flush=True)
         metrics.append(m)
         if save_at is not None and step + 1 == save_at:
             backend.save_state(state_dir)
     return Run(metrics, {n: t.detach().clone() for n, t in backend.export_official().items()})
+
+
+@contextlib.contextmanager
+def _profiled(on: bool) -> Iterator[None]:
+    """With `on`: profile the block (CPU and CUDA) and print the ops that took the most GPU and host time."""
+    if not on:
+        yield
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        yield
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
 
 
 def _median_s(fn, reps: int) -> float:
@@ -229,6 +251,7 @@ def main() -> int:
     p.add_argument("--bench-batch", type=int, default=8)
     p.add_argument("--bench-len", type=int, default=512)
     p.add_argument("--bench-reps", type=int, default=3, help="timed repetitions after one warm-up (median)")
+    p.add_argument("--profile-step", type=int, default=-1, help="profile this step (sync, generation, check, train)")
     p.add_argument("--json", help="write metrics, the verdict and the timings here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
