@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from helpers import assert_bits, first_mismatch
 from parity.kernels import FAST, INVARIANT, get_kernels
 from parity.kernels.attention import gather_paged
+from parity.kernels.kda import kda_chunked
 from parity.kernels.linear import LoRA, k_segments, pairwise_sum, tiled_matmul
 from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import sigmoid, silu, softplus, tree_sum
@@ -238,6 +239,26 @@ def test_kda_matches_float64_and_fast() -> None:
         o, s = kern.kda(q, k, v, g, beta, 0.25, s0.float())
         torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(s.double(), s_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_kda_chunked_form_equals_the_recurrence_with_its_gradients() -> None:
+    """`kda_chunked` (the GPU trainer's KDA backward) is the invariant recurrence in float64 to round-off, outputs,
+    final state and every input's gradient, across chunk boundaries, from a non-zero state, with padding."""
+    q, k, v, g, beta = (x.double() for x in _kda_inputs(2, 150, seed=9))
+    s0 = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    valid = torch.ones(2, 150, dtype=torch.bool)
+    valid[0, :5], valid[1, 100:] = False, False
+    grads, outs = [], []
+    for op in (kda_chunked, INVARIANT.kda):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, s0)]
+        o, s = op(*leaves[:5], 0.25, leaves[5], valid)
+        cot = torch.Generator().manual_seed(2)
+        loss = (o * torch.randn(o.shape, generator=cot, dtype=o.dtype)).sum() + (
+            s * torch.randn(s.shape, generator=cot, dtype=s.dtype)).sum()
+        outs.append((o, s))
+        grads.append(torch.autograd.grad(loss, leaves))
+    for a, b in [*zip(outs[0], outs[1]), *zip(*grads)]:
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 # --- attention ------------------------------------------------------------------------------------
@@ -497,7 +518,7 @@ def test_fast_backwards_match_float64_autograd_and_rerun_bitwise() -> None:
     `autograd.Function`s against float64 autograd through plain ops, within 1e-5 of the largest value (2e-2 for
     bf16-rounded outputs); a rerun on another thread count gives the same bits."""
     from parity.kernels.attention import _visible
-    from parity.kernels.kda import CHUNK, _recurrence
+    from parity.kernels.kda import kda_chunked, CHUNK, _recurrence
 
     g = torch.Generator().manual_seed(4)
     x, w, a, b = (torch.randn(*s, generator=g) for s in ((3, 21, 96), (40, 96), (4, 96), (40, 4)))

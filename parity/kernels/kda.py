@@ -154,9 +154,8 @@ def _fla_runs(q: torch.Tensor) -> bool:
 
 def _kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
              state: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fla's `chunk_kda` (several tokens) or `fused_recurrent_kda` (one): the kernels a GPU user runs and trains with
-    (deterministic: no atomics). Padding runs as identity steps (g = 0 and beta = 0 leave the state as it is; the
-    output there is zeroed), so padded tokens get no gradient, as in `kda_invariant`."""
+    """fla's `chunk_kda` (several tokens) or `fused_recurrent_kda` (one): the kernels a GPU user runs. Padding runs as
+    identity steps (g = 0 and beta = 0 leave the state as it is; the output there is zeroed)."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     if valid is not None:
@@ -205,6 +204,55 @@ def kda_fast(
     return torch.stack(outs, dim=1).to(out_dtype), s
 
 
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence in chunked (WY) form, in plain torch ops that autograd differentiates: CHUNK tokens at a time,
+    within a chunk (G = inclusive cumsum of g, K~ = K * exp(G), Q~ = Q * exp(G), decays exp(G_t - G_s) <= 1 for s <= t
+    taken pairwise, so nothing overflows):
+        U = (I + diag(beta) L)^-1 diag(beta) (V - K~ S0),   L_ts = sum_c k_tc k_sc exp(G_tc - G_sc), s < t
+        O = scale (Q~ S0 + M U),                            M_ts = sum_c q_tc k_sc exp(G_tc - G_sc), s <= t
+        S = exp(G_last) * S0 + (K * exp(G_last - G))^T U
+    Padding runs as identity steps (g = 0, beta = 0; the output there is zeroed). Exact to round-off, not invariant:
+    the backward a GPU trainer takes (`kda_for_gradients`), a few batched GEMMs per chunk instead of a loop per token."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
+    if valid is not None:
+        g = torch.where(valid[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
+        beta = torch.where(valid[..., None], beta, torch.zeros((), dtype=beta.dtype, device=beta.device))
+    q, k, v, g, beta = (x.transpose(1, 2) for x in (q, k, v, g, beta))  # [B, H, T, ...]
+    s = state.to(q.dtype)
+    outs = []
+    for t0 in range(0, q.shape[2], CHUNK):
+        qc, kc, vc, gc, bc = (x[:, :, t0 : t0 + CHUNK] for x in (q, k, v, g, beta))
+        c = qc.shape[2]
+        cum = gc.cumsum(2)  # [B, H, C, K]
+        upto = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        diff = (cum.unsqueeze(3) - cum.unsqueeze(2)).masked_fill(~upto[..., None], float("-inf"))
+        decay = diff.exp()  # [B, H, C(t), C(s), K]: exp(G_t - G_s) for s <= t, else 0
+        kk = torch.einsum("bhtc,bhsc,bhtsc->bhts", kc, kc, decay).tril(-1)
+        qk = torch.einsum("bhtc,bhsc,bhtsc->bhts", qc, kc, decay)
+        rhs = bc.unsqueeze(-1) * (vc - (kc * cum.exp()) @ s)
+        eye = torch.eye(c, dtype=q.dtype, device=q.device)
+        u = torch.linalg.solve_triangular(eye + bc.unsqueeze(-1) * kk, rhs, upper=False, unitriangular=True)
+        outs.append(scale * ((qc * cum.exp()) @ s + qk @ u))
+        last = cum[:, :, -1:]  # [B, H, 1, K]
+        s = last.transpose(2, 3).exp() * s + (kc * (last - cum).exp()).transpose(2, 3) @ u
+    if not outs:
+        return v.new_zeros(v.transpose(1, 2).shape, dtype=out_dtype), s
+    o = torch.cat(outs, dim=2).transpose(1, 2)  # [B, T, H, V]
+    if valid is not None:
+        o = o * valid[..., None, None]
+    return o.to(out_dtype), s
+
+
 def kda_for_gradients(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -215,11 +263,11 @@ def kda_for_gradients(
     state: torch.Tensor,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence a trainer on the Triton kernels differentiates (`parity.kernels.triton.autograd`): on CUDA with
-    fla, fla's chunked kernels and their backward (`_kda_fla`); elsewhere `kda_invariant` and its chunked backward.
-    Either is the gradient of the same function, deterministic for fixed shapes."""
-    if _fla_runs(q):
-        return _kda_fla(q, k, v, g, beta, scale, state, valid)
+    """The recurrence a trainer on the Triton kernels differentiates (`parity.kernels.triton.autograd`): on CUDA the
+    chunked form (`kda_chunked`, batched GEMMs, no kernel compilation); elsewhere `kda_invariant` and its chunked
+    backward. Either is the gradient of the same function, deterministic for fixed shapes."""
+    if q.is_cuda:
+        return kda_chunked(q, k, v, g, beta, scale, state, valid)
     return kda_invariant(q, k, v, g, beta, scale, state, valid)
 
 

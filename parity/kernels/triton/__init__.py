@@ -17,8 +17,8 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 | token_logprobs | `parity.kernels.logprobs` | the rollout engine's sampler arithmetic (torch `log_softmax` on fp32 logits / T, one row-invariant reduction per row; tests check it on CUDA) |
 
 Gradients (`autograd.py`): with a gradient needed, each op runs its Triton forward and takes its backward from
-the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from fla's chunked
-kernels (`parity.kernels.kda.kda_for_gradients`).
+the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from its chunked form
+(`parity.kernels.kda.kda_for_gradients`).
 
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)

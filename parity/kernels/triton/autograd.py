@@ -4,7 +4,7 @@
 Otherwise it returns `forward`'s outputs (so the log-probs a trainer computes are the Triton kernels' bits, the
 ones the rollout side computes) and, on backward, re-runs `backward` (the invariant set's torch op, whose own
 `autograd.Function` keeps its backward lean: `parity.kernels.linear.gemm`, attention's log-sum-exp; for KDA on
-CUDA fla's chunked kernels, `parity.kernels.kda.kda_for_gradients`) on the saved inputs and takes its gradients. The recompute costs one more forward of the
+CUDA its chunked form, `parity.kernels.kda.kda_for_gradients`) on the saved inputs and takes its gradients. The recompute costs one more forward of the
 op; what is saved per op is its inputs, as activation checkpointing saves them.
 
 Invariant: the gradient is a function of the op's inputs alone (the backward op is deterministic for fixed
