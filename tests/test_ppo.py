@@ -30,12 +30,11 @@ import torch
 from parity.sync.bundle import WeightBundle
 from zerokl.cli import main
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.loop import PPORun, SyncFailed
+from zerokl.ppo.loop import TIMING_KEYS, PPORun, SyncFailed
 from helpers import PPO_REFERENCE_CONFIG, PPOReference, ppo_config_file
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
-TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 EXPERT = "language_model.layers.1.block_sparse_moe.experts.3.w1.weight"
 REPO = Path(__file__).resolve().parents[1]
 

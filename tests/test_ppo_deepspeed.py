@@ -26,6 +26,7 @@ from lora.adapter import save_adapter
 from lora.init import random_adapter
 from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
+from zerokl.ppo.loop import TIMING_KEYS
 from helpers import PPO_REFERENCE_CHECKPOINTS, PPO_REFERENCE_CONFIG, PPOReference, ppo_config_file
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
@@ -33,7 +34,6 @@ pytestmark = pytest.mark.slow  # starts engines, trainers or processes: schedule
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4  # two checkpoints compared; the 20-step comparison is in trainer/deepspeed/README.md
 CHECKPOINT_EVERY = 2
-TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds"}
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,12 @@ from parity.weights import text_specs
 from trainer.base import ADAPTER_DIR
 from parity.io.checkpoint import load_checkpoint
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.loop import PPORun
+from zerokl.ppo.loop import TIMING_KEYS, PPORun
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 STEPS = 20
 RESUME_AT = 18  # late: the resume replays only what it must to prove the state complete (two optimizer steps)
-TIMING_KEYS = {"rollout_tokens_per_s", "train_tokens_per_s", "sync_seconds", "full_sync_seconds"}
 REPO = Path(__file__).resolve().parents[1]
 
 

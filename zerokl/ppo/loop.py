@@ -58,8 +58,13 @@ from parity.sync.bundle import SyncError, WeightBundle
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import make_task
 
-METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "policy_version",
-               "rollout_tokens_per_s", "train_tokens_per_s")
+METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "response_length_mean",
+               "policy_version", "rollout_tokens_per_s", "train_tokens_per_s")
+# Wall-clock figures (seconds, or per second), the only metrics that differ between a run and its resumed twin:
+# rollout (`time_gen`), the separate old-log-prob pass (`time_old_logprob`: 0 when the one update's forward is the
+# check), the optimizer steps (`time_update`), export + weight sync (`time_sync`).
+TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "time_gen", "time_old_logprob", "time_update",
+               "time_sync", "sync_seconds", "full_sync_seconds")
 
 
 class ParityViolation(RuntimeError):
@@ -288,6 +293,7 @@ class PPORun:
         try:
             if updates > 1:  # the old-log-prob pass: every sample at the generating version, before any update
                 check(self.backend.logprobs(batch, cfg.temperature).gather(1, index))
+            t_old = time.perf_counter() - t1
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
                 for rows in order.tensor_split(cfg.num_minibatches):
@@ -299,7 +305,9 @@ class PPORun:
         loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
         t_train = time.perf_counter() - t1
         metrics = self._metrics(report, rewards, samples, t_roll, t_train)
+        t2 = time.perf_counter()
         self._sync_new_version()
+        metrics.update(time_old_logprob=t_old, time_update=t_train - t_old, time_sync=time.perf_counter() - t2)
         metrics.update(loss=loss, grad_norm=grad_norm, ppo_kl=sum(u["ppo_kl"] for u in per_update) / updates,
                        clipfrac=sum(u["clip_frac"] for u in per_update) / updates)
         if self.last_sync is not None:  # rank 0
@@ -340,7 +348,8 @@ class PPORun:
         train_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
         out = {"step": self.step, "kl": rep.kl_k1, "max_abs_logprob_diff": rep.max_abs_diff,
                "bitwise_equal_frac": rep.bitwise_equal / max(rep.tokens, 1), "reward_mean": float(rewards.mean()),
-               "policy_version": self.version, "rollout_tokens_per_s": gen_tokens / t_roll,
+               "response_length_mean": gen_tokens / len(samples), "policy_version": self.version,
+               "time_gen": t_roll, "rollout_tokens_per_s": gen_tokens / t_roll,
                "train_tokens_per_s": train_tokens / t_train if t_train else 0.0}
         return out
 
