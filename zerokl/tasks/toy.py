@@ -1,8 +1,5 @@
-"""Verifiable tasks for RL: prompts with a known answer and a rule-based reward in [0, 1].
-
-A task is any object with `name`, `sample(rng) -> Problem` and `reward(completion, problem) -> float`.
-Add one by writing such a class and registering it in `TASKS` (see README "Adding a task"). Rewards give
-partial credit so a randomly initialised tiny model has signal from the first step:
+"""The built-in toy tasks, `addition` and `reversal`, with a partial-credit reward in [0, 1], so a randomly
+initialised tiny model has signal from the first step:
   0.2 * format (share of valid answer characters among the first len(answer) + 1 characters)
 + 0.3 * position-wise match of the answer's characters
 + 0.5 * exact match of the first whitespace-separated word.
@@ -11,22 +8,9 @@ partial credit so a randomly initialised tiny model has signal from the first st
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Protocol
 
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
-
-
-class Task(Protocol):
-    name: str
-
-    def sample(self, rng: random.Random) -> Problem: ...
-
-    def reward(self, completion: str, problem: Problem) -> float: ...
+from parity.config import ConfigError
+from zerokl.tasks.base import Problem
 
 
 def partial_credit(completion: str, answer: str, alphabet: str) -> float:
@@ -46,6 +30,8 @@ class Addition:
     name = "addition"
 
     def __init__(self, digits: int = 2):
+        if digits < 1:
+            raise ConfigError(f"task addition: digits must be >= 1, got {digits}")
         self.digits = digits
 
     def sample(self, rng: random.Random) -> Problem:
@@ -62,6 +48,8 @@ class Reversal:
     name = "reversal"
 
     def __init__(self, length: int = 4):
+        if length < 1:
+            raise ConfigError(f"task reversal: length must be >= 1, got {length}")
         self.length = length
 
     def sample(self, rng: random.Random) -> Problem:
@@ -70,12 +58,3 @@ class Reversal:
 
     def reward(self, completion: str, problem: Problem) -> float:
         return partial_credit(completion, problem.answer, "abcdefghijklmnopqrstuvwxyz")
-
-
-TASKS: dict[str, type] = {"addition": Addition, "reversal": Reversal}
-
-
-def make_task(name: str, **kwargs: int) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}")
-    return TASKS[name](**kwargs)
