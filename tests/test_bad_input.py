@@ -58,8 +58,10 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ("normalize_adv_std", "3", "normalize_adv_std must be true or false, got 3"),
     ("task_args", "[1, 2]", "task_args must be a mapping"),
     ("kl_coef", "-1", "kl_coef must be >= 0, got -1"),
-    ("kl_coef", "0.05", "kl_coef > 0 asks for a KL penalty to a reference policy, which zerokl ppo does not compute"),
-    ("entropy_coef", "0.01", "entropy_coef > 0 asks for an entropy bonus, which zerokl ppo does not compute"),
+    ("kl_estimator", "k2", "kl_estimator must be one of k1, k3, got 'k2'"),
+    ("ref_model", "configs", "ref_model is only read with kl_coef > 0"),
+    ("old_logprobs", "rollout", "with ppo_epochs x num_minibatches = 1 the update's own forward is the check"),
+    ("parity_check_every", "3", "parity_check_every is only read with old_logprobs: rollout"),
     ("advantage", "gae", "advantage 'gae' needs a critic, which zerokl ppo does not train yet"),
     ("num_minibatches", "64", "num_minibatches = 64 is more than the 32 samples of a step"),
     ("ppo_epochs", "0", "ppo_epochs must be >= 1, got 0"),
@@ -70,6 +72,17 @@ def test_ppo_config_values_are_checked(key: str, value: str, says: str, k3_tiny:
     config = _ppo_config(tmp_path, k3_tiny, **{key: value})
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config), says)
     assert not (tmp_path / "out").exists()
+
+
+def test_ppo_reference_must_be_a_checkpoint_of_the_policys_architecture(k3_tiny: Path, k3_tiny_mxfp4: Path,
+                                                                        tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`ref_model` is checked before the trainer or the engine starts."""
+    config = _ppo_config(tmp_path, k3_tiny, kl_coef=0.05, ref_model=tmp_path)
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "a")], capsys, "is not a checkpoint directory")
+    config = _ppo_config(tmp_path, k3_tiny, kl_coef=0.05, ref_model=k3_tiny_mxfp4)
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "b")], capsys,
+                f"ref_model {k3_tiny_mxfp4}: its text model config differs from the policy's")
 
 
 def test_ppo_config_reads_exponents_yaml_leaves_as_text(k3_tiny: Path, tmp_path: Path) -> None:

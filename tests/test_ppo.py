@@ -139,13 +139,24 @@ def test_fast_kernels_break_the_check(k3_tiny: Path, tmp_path: Path, capsys: pyt
     assert "first divergence at" in (tmp_path / "fast" / "diagnosis.txt").read_text()
 
 
-def test_minibatch_epochs_keep_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
-    """`ppo_epochs: 2, num_minibatches: 2` (four optimizer steps per PPO step): the check before any update stays
-    bitwise every step and the later minibatches are off-policy (`ppo_kl` != 0, `clipfrac` reported). (The shuffle is
-    seeded by the step, so resume needs nothing new: `test_kill_and_resume_is_bitwise`.)"""
+def test_minibatch_epochs_reference_kl_and_entropy_keep_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`ppo_epochs: 2, num_minibatches: 2` (four optimizer steps per PPO step) with a k3 KL penalty to the starting
+    weights and an entropy bonus, `old_logprobs: rollout` with the full recompute every 2 steps: step 0 checks every
+    sample before any update, step 1 the first minibatch's (its forward is at the generating version), bitwise
+    both; the later minibatches are off-policy (`ppo_kl` != 0, `clipfrac` reported), the policy leaves the reference
+    (`kl_ref` > 0 once updated), `entropy` is reported and the saved time is printed. (The shuffle is seeded by the
+    step, so resume needs nothing new: `test_kill_and_resume_is_bitwise`.)"""
     cfg = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=2)
-    cfg.write_text(cfg.read_text() + "ppo_epochs: 2\nnum_minibatches: 2\n")
+    cfg.write_text(cfg.read_text() + "ppo_epochs: 2\nnum_minibatches: 2\nkl_coef: 0.05\nkl_estimator: k3\n"
+                   "entropy_coef: 0.01\nold_logprobs: rollout\nparity_check_every: 2\n")
     assert main(["ppo", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 0
-    for m in (json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()):
+    metrics = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
         assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
         assert m["ppo_kl"] != 0.0 and 0.0 <= m["clipfrac"] <= 1.0, m
+        assert m["kl_ref"] >= 0.0 and m["entropy"] > 0.0 and m["time_ref"] > 0.0, m
+    assert metrics[1]["kl_ref"] > 0.0
+    assert [m["old_logprob_recomputed"] for m in metrics] == [1.0, 0.0]
+    assert metrics[0]["parity_checked_frac"] == 1.0 and metrics[1]["parity_checked_frac"] == 0.5
+    assert "old_logprobs: rollout: the old-log-prob pass ran on 1 of 2 steps" in capsys.readouterr().out

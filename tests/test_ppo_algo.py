@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from zerokl.ppo.algo import gae_advantages, grpo_advantages, ppo_loss, token_entropy
+from trainer.logprobs import next_token_entropy
+from zerokl.ppo.algo import gae_advantages, grpo_advantages, kl_to_reference, ppo_loss
 from zerokl.tasks import Addition, Problem, Reversal, make_task
 
 
@@ -42,6 +43,24 @@ def test_ppo_loss_on_policy_is_minus_mean_advantage_and_clips() -> None:
     assert stats["clip_frac"] == pytest.approx(1 / 3)
     loss_kl, stats = ppo_loss(new, logp, adv, mask, clip=0.2, ref_logp=logp, kl_coef=0.1)
     assert stats["kl_ref"] > 0
+    ent = torch.tensor([[2.0, 1.0], [0.5, 9.0]])
+    loss_ent, stats = ppo_loss(new, logp, adv, mask, clip=0.2, entropy=ent, entropy_coef=0.1)
+    assert stats["entropy"] == pytest.approx(3.5 / 3)
+    assert loss_ent.item() == pytest.approx(ppo_loss(new, logp, adv, mask, clip=0.2)[0].item() - 0.1 * 3.5 / 3)
+
+
+def test_kl_estimators() -> None:
+    """k1 and k3 are zero where policy = reference; k3 is never negative; both average to KL(p || q) over samples
+    of p (here exactly: the expectation over a two-point distribution)."""
+    p, q = torch.tensor([0.7, 0.3]), torch.tensor([0.4, 0.6])
+    exact = float((p * (p / q).log()).sum())
+    for est in ("k1", "k3"):
+        values = kl_to_reference(p.log(), q.log(), est)
+        assert float((p * values).sum()) == pytest.approx(exact)
+        assert torch.equal(kl_to_reference(p.log(), p.log(), est), torch.zeros(2))
+    assert (kl_to_reference(p.log(), q.log(), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_to_reference(p, q, "k2")
 
 
 def test_ppo_gradient_raises_advantaged_logprob() -> None:
@@ -53,7 +72,8 @@ def test_ppo_gradient_raises_advantaged_logprob() -> None:
 
 
 def test_entropy_uniform() -> None:
-    assert token_entropy(torch.zeros(3, 8), 1.0)[0].item() == pytest.approx(torch.log(torch.tensor(8.0)).item())
+    assert next_token_entropy(torch.zeros(3, 8), 1.0)[0].item() == pytest.approx(torch.log(torch.tensor(8.0)).item())
+    assert next_token_entropy(torch.tensor([[0.0, -1e4]]), 1.0).item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_task_rewards() -> None:

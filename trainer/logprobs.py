@@ -56,15 +56,29 @@ class PackedBatch:
         return padded
 
 
-def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
+def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float,
+                    entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One forward over right-padded rows -> lp: [B, T] (next-token aligned, zeros past each row's last
-    scored token). Same calls as `parity.model.score_sequences`, so the same bits."""
+    scored token). Same calls as `parity.model.score_sequences`, so the same bits. With `entropy`, also the
+    entropy of each position's next-token distribution softmax(logits / temperature), aligned and zeroed alike
+    (fp32, differentiable; a loss term, not part of the parity contract)."""
     b, t = input_ids.shape
     pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
     hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype))
-    lp = fwd.token_logprobs(fwd.logits(hidden[:, :-1]), input_ids[:, 1:], temperature)  # [B, T-1]
+    logits = fwd.logits(hidden[:, :-1])
+    lp = fwd.token_logprobs(logits, input_ids[:, 1:], temperature)  # [B, T-1]
     scored = torch.arange(t - 1).view(1, -1) < (lens - 1).view(-1, 1)
-    return F.pad(torch.where(scored, lp, torch.zeros((), dtype=lp.dtype)), (0, 1))
+    zero = torch.zeros((), dtype=lp.dtype)
+    lp = F.pad(torch.where(scored, lp, zero), (0, 1))
+    if not entropy:
+        return lp
+    return lp, F.pad(torch.where(scored, next_token_entropy(logits, temperature), zero), (0, 1))
+
+
+def next_token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position, in fp32: [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
 
 
 def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch, temperature: float) -> torch.Tensor:
@@ -74,3 +88,10 @@ def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch, tem
         padded = batch.to_padded()
         return model(padded.input_ids, padded.lens, temperature)[padded.mask()]
     return model(batch.input_ids, batch.lens, temperature)
+
+
+def token_logprobs_and_entropy(model: torch.nn.Module, batch: PaddedBatch,
+                               temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` of a padded batch and the entropy of each position's next-token distribution, both [B, T]
+    (`padded_logprobs` with `entropy`), from one forward."""
+    return model(batch.input_ids, batch.lens, temperature, entropy=True)

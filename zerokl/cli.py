@@ -17,9 +17,10 @@ from lora.spec import AdapterError
 from parity.compare import DumpError
 from zerokl import parity_cli, plan
 from zerokl.ppo import cli as ppo_cli
+from zerokl.tasks import RewardError
 from parity.io.checkpoint import CheckpointError, init_checkpoint
 
-USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError, RewardError)
 
 
 def _progress(msg: str) -> None:

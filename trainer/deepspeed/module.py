@@ -277,7 +277,8 @@ class DeepSpeedK3Model(nn.Module):
         weights = K3Weights(self.cfg, self.official_parameters(), self.lora_terms())
         return ScopedK3Forward(weights, get_kernels(self.kernels), self.runners(), self.leaf_blocks_with_grads)
 
-    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float,
+                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] fp32 (next-token aligned, zeros past
-        each row's last scored token), differentiable."""
-        return padded_logprobs(self.forward_fn(), input_ids, lens, temperature)
+        each row's last scored token), differentiable; with `entropy`, (lp, entropy) (`padded_logprobs`)."""
+        return padded_logprobs(self.forward_fn(), input_ids, lens, temperature, entropy)

@@ -303,12 +303,14 @@ class MegatronK3Model(MegatronModule):
             module.lora_B = Weight(_param(config, out_f, rank, tp_dim=b_split.tp_dim))
             self.lora_scales[base] = scale
 
-    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float) -> torch.Tensor:
-        """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`), on the
-        parameters' device (the forward's own tensors are made there too)."""
+    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float,
+                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`; with
+        `entropy`, (lp, entropy)), on the parameters' device (the forward's own tensors are made there too)."""
         device = self.model.embed_tokens.weight.device
         with torch.device(device):
-            return padded_logprobs(ParallelK3Forward.for_model(self), input_ids.to(device), lens.to(device), temperature)
+            return padded_logprobs(ParallelK3Forward.for_model(self), input_ids.to(device), lens.to(device), temperature,
+                                   entropy)
 
 
 def _is_lora(name: str) -> bool:

@@ -39,12 +39,29 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return adv, (adv + values) * mask
 
 
-def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip: float,
-             ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-mean clipped surrogate -min(rho A, clip(rho) A) (+ kl_coef * k3 KL to a reference policy).
+KL_ESTIMATORS = ("k1", "k3")
 
-    logp, old_logp, ref_logp, mask: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
-    Returns (loss, stats) with the clip fraction and the mean ratio."""
+
+def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from log-probs of tokens the policy sampled (Schulman's):
+    k1 = logp - ref_logp (unbiased, any sign); k3 = exp(r) - 1 - r with r = ref_logp - logp (unbiased, >= 0, lower
+    variance; verl's `low_var_kl`)."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        r = ref_logp - logp
+        return torch.exp(r) - 1 - r
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
+
+
+def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip: float,
+             ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0, kl_estimator: str = "k3",
+             entropy: torch.Tensor | None = None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean clipped surrogate -min(rho A, clip(rho) A), plus `kl_coef` x the KL to a reference policy
+    (`kl_to_reference`), minus `entropy_coef` x the policy's entropy (a bonus).
+
+    logp, old_logp, ref_logp, entropy, mask: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
+    Returns (loss, stats): the clip fraction, the mean ratio, and `kl_ref` / `entropy` (token means) when given."""
     if adv.dim() == 1:
         adv = adv.unsqueeze(1).expand_as(logp)
     ratio = torch.exp(logp - old_logp)
@@ -54,15 +71,12 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask
     rd = ratio.detach()
     stats = {"clip_frac": float((((rd - 1).abs() > clip).float() * mask).sum() / denom),
              "ratio_mean": float((rd * mask).sum() / denom)}
-    if ref_logp is not None and kl_coef:
-        r = ref_logp - logp
-        kl = ((torch.exp(r) - 1 - r) * mask).sum() / denom
+    if ref_logp is not None:
+        kl = (kl_to_reference(logp, ref_logp, kl_estimator) * mask).sum() / denom
         loss = loss + kl_coef * kl
-        stats["kl_ref"] = float(kl)
+        stats["kl_ref"] = float(kl.detach())
+    if entropy is not None:
+        ent = (entropy * mask).sum() / denom
+        loss = loss - entropy_coef * ent
+        stats["entropy"] = float(ent.detach())
     return loss, stats
-
-
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of softmax(logits / T) per position: [..., V] -> [...]."""
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)

@@ -4,7 +4,8 @@
 Writes `OUT/metrics.jsonl` (one line per step, keys `METRIC_KEYS` plus loss/grad_norm/sync figures),
 checkpoints under `OUT/checkpoints/step-N`, wandb files under `OUT/wandb` (offline unless `--wandb online`),
 and `OUT/diagnosis.txt` when parity breaks. Exit code: 0 when every step had KL exactly 0, 1 when a step
-broke parity (after the diagnosis), 2 for user errors.
+broke parity (after the diagnosis), 2 for user errors (among them a reward function that raises or returns
+something other than a finite number mid-run: the error names the dataset line and the step).
 
 `--nproc-per-node N` (N > 1, DeepSpeed only) starts N processes of this command (`zerokl.launch`; the run's
 starting checkpoint is created first); under any torchrun-style launcher the command runs as one rank of it. Rank 0
@@ -24,6 +25,7 @@ from pathlib import Path
 from parity.config import ConfigError
 from zerokl.argtypes import kernel_set, positive_int
 from zerokl.ppo.config import PPOConfig, load_ppo_config
+from zerokl.tasks import RewardError
 
 
 def _console(step: int, total: int, m: dict[str, float], seconds: float) -> str:
@@ -45,6 +47,20 @@ def _sync(m: dict[str, float]) -> str:
     if "full_sync_seconds" in m:
         text += f" (full weights {m['full_sync_seconds'] * 1e3:.0f} ms {m['full_sync_bytes'] / 1e6:.1f} MB)"
     return text + " "
+
+
+def _old_logprob_savings(steps: list[dict[str, float]]) -> str:
+    """With `old_logprobs: rollout`: the time the skipped old-log-prob passes would have cost, from the steps that
+    ran it (each pays it once), against the run's total step time."""
+    ran = [m for m in steps if m["old_logprob_recomputed"]]
+    skipped = len(steps) - len(ran)
+    total = sum(m["time_gen"] + m["time_ref"] + m["time_old_logprob"] + m["time_update"] + m["time_sync"] for m in steps)
+    if not ran or not skipped:
+        return f"old_logprobs: rollout: the old-log-prob pass ran on {len(ran)} of {len(steps)} steps"
+    per_pass = sum(m["time_old_logprob"] for m in ran) / len(ran)
+    return (f"old_logprobs: rollout: the old-log-prob pass ran on {len(ran)} of {len(steps)} steps ({per_pass:.2f} s "
+            f"each); skipping it saved about {per_pass * skipped:.1f} s, {per_pass * skipped / (total + per_pass * skipped):.0%} "
+            "of the step time recomputing every step would take")
 
 
 def _wandb_run(cfg: PPOConfig, out: Path):
@@ -76,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             if metrics_path.exists() else []
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     broke = False
+    steps: list[dict[str, float]] = []
     try:
         while run_.step < cfg.steps:
             t0 = time.perf_counter()
@@ -84,7 +101,10 @@ def run(args: argparse.Namespace) -> int:
             except (SyncFailed, StaleRollout) as e:
                 log(f"STOPPED at step {run_.step}: {e}")
                 return 1
+            except RewardError as e:  # the user's reward function failed: a user error (exit 2)
+                raise RewardError(f"{e}; stopping at step {run_.step}") from None
             m = result.metrics
+            steps.append(m)
             if rank0:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(m) + "\n")
@@ -99,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
             if run_.step % cfg.checkpoint_every == 0 or run_.step == cfg.steps:
                 run_.save_state(out / "checkpoints" / f"step-{run_.step}")
         log(f"done: {cfg.steps} steps, metrics in {metrics_path}")
+        if cfg.old_logprobs == "rollout":
+            log(_old_logprob_savings(steps))
         return 1 if broke else 0
     finally:
         if wb is not None:

@@ -14,6 +14,8 @@ import yaml
 from parity.config import ConfigError
 from parity.kernels import KERNEL_SETS, get_kernels
 from trainer.backend import BACKENDS, ZERO_STAGES
+from zerokl.tasks import make_task, resolve_paths
+from zerokl.ppo.algo import KL_ESTIMATORS
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,8 @@ class PPOConfig:
     """One PPO run. `model` is a model config (YAML) or a checkpoint directory."""
 
     model: str
-    task: str = "addition"
-    task_args: dict[str, int] | None = None
+    task: str = "addition"  # zerokl.tasks.TASKS
+    task_args: dict[str, int | str] | None = None  # the task's own keys and types (its __init__'s)
     steps: int = 100
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
@@ -32,8 +34,12 @@ class PPOConfig:
     clip: float = 0.2
     ppo_epochs: int = 1  # passes over each step's samples
     num_minibatches: int = 1  # optimizer steps per pass (the samples shuffled, then split)
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    old_logprobs: str = "recompute"  # recompute: a no-grad pass before the updates; rollout: the engine's (bitwise)
+    parity_check_every: int = 1  # with old_logprobs: rollout, the full recompute (zero-KL check) every N steps
+    kl_coef: float = 0.0  # > 0: a KL penalty to the reference policy in the loss
+    kl_estimator: str = "k3"  # k1 or k3 (zerokl.ppo.algo.kl_to_reference)
+    ref_model: str | None = None  # the reference: this checkpoint directory; None: the run's starting checkpoint
+    entropy_coef: float = 0.0  # > 0: an entropy bonus in the loss
     advantage: str = "grpo"
     normalize_adv_std: bool = False
     grad_clip: float = 1.0
@@ -54,7 +60,27 @@ class PPOConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), str(f.type))
+        try:  # the whole task, here: a bad dataset or reward function stops the run before anything starts
+            make_task(self.task, **{str(k): v for k, v in (self.task_args or {}).items()})
+        except ConfigError as e:
+            raise ConfigError(f"ppo config: {e}") from None
         _choice("advantage", self.advantage, ("grpo", "gae"))
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("old_logprobs", self.old_logprobs, ("recompute", "rollout"))
+        if self.old_logprobs == "rollout" and self.ppo_epochs * self.num_minibatches == 1:
+            raise ConfigError("ppo config: old_logprobs 'rollout' skips the old-log-prob pass that only runs with "
+                              "several updates per step; with ppo_epochs x num_minibatches = 1 the update's own "
+                              "forward is the check already: use old_logprobs: recompute")
+        if self.parity_check_every != 1 and self.old_logprobs != "rollout":
+            raise ConfigError("ppo config: parity_check_every is only read with old_logprobs: rollout (recompute "
+                              "checks every step)")
+        if self.ref_model is not None:
+            if self.kl_coef == 0:
+                raise ConfigError("ppo config: ref_model is only read with kl_coef > 0 (the KL penalty); set kl_coef "
+                                  "or drop ref_model")
+            if not (Path(self.ref_model) / "config.json").is_file():
+                raise ConfigError(f"ppo config: ref_model {self.ref_model!r} is not a checkpoint directory "
+                                  "(no config.json)")
         _choice("kernels", self.kernels, KERNEL_SETS)
         try:
             get_kernels(self.kernels)  # 'triton' needs CUDA or TRITON_INTERPRET=1
@@ -68,7 +94,7 @@ class PPOConfig:
             raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
                               f"got {self.zero_stage!r}")
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every", "lora_rank",
-                     "ppo_epochs", "num_minibatches"):
+                     "ppo_epochs", "num_minibatches", "parity_check_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_minibatches > self.prompts_per_step * self.samples_per_prompt:
@@ -87,10 +113,6 @@ class PPOConfig:
         if self.advantage == "gae":
             raise ConfigError("ppo config: advantage 'gae' needs a critic, which zerokl ppo does not train yet; "
                               "use advantage: grpo")
-        for name, feature in (("kl_coef", "a KL penalty to a reference policy"), ("entropy_coef", "an entropy bonus")):
-            if getattr(self, name) > 0:
-                raise ConfigError(f"ppo config: {name} > 0 asks for {feature}, which zerokl ppo does not compute yet; "
-                                  f"set {name}: 0.0")
 
 
 _FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # what YAML 1.1 leaves a string, e.g. 3e-3
@@ -151,6 +173,10 @@ def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
     if not model.is_absolute() and not model.exists():
         model = p.parent.parent / model  # configs are written relative to the repo root
     raw["model"] = str(model)
+    if isinstance(raw.get("task", "addition"), str) and isinstance(raw.get("task_args"), dict):
+        raw["task_args"] = resolve_paths(raw.get("task", "addition"), raw["task_args"], p.parent)  # config-relative
+    if isinstance(raw.get("ref_model"), str) and not Path(raw["ref_model"]).exists():
+        raw["ref_model"] = str(p.parent.parent / raw["ref_model"])  # relative to the repo root, as `model`
     try:
         return PPOConfig(**raw)
     except ConfigError as e:

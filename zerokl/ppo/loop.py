@@ -12,6 +12,13 @@ takes one clipped-surrogate optimizer step per minibatch, old log-probs being th
 the trainer's). Later minibatches are off-policy by design: `ppo_kl` (mean old - new log-prob over the updates'
 tokens) and `clipfrac` say how far. Then a versioned, checksummed weight sync.
 
+Old log-probs are always the rollout's (the check proves them the trainer's). `old_logprobs: rollout` skips the
+no-grad pass except every `parity_check_every` steps; on the other steps the check covers the rows of the first
+update, whose forward runs at the generating version anyway (`parity_checked_frac` says which share was checked).
+With `kl_coef > 0` the loss adds a KL penalty (`kl_estimator` k1 or k3) to a frozen reference policy (the starting
+checkpoint or `ref_model`), whose log-probs rank 0 computes with the shared forward; `entropy_coef` subtracts the
+policy's mean entropy; `kl_ref` and `entropy` are reported.
+
 Everything the next step depends on (weights, optimizer state, RNG states, task cursor, policy version) is
 checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
 
@@ -58,13 +65,14 @@ from parity.sync.bundle import SyncError, WeightBundle
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import make_task
 
-METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "reward_mean", "response_length_mean",
+METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "parity_checked_frac", "reward_mean",
+               "response_length_mean",
                "policy_version", "rollout_tokens_per_s", "train_tokens_per_s")
 # Wall-clock figures (seconds, or per second), the only metrics that differ between a run and its resumed twin:
-# rollout (`time_gen`), the separate old-log-prob pass (`time_old_logprob`: 0 when the one update's forward is the
+# rollout (`time_gen`), the reference policy's log-probs (`time_ref`: 0 without a KL penalty), the separate old-log-prob pass (`time_old_logprob`: 0 when the one update's forward is the
 # check), the optimizer steps (`time_update`), export + weight sync (`time_sync`).
-TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "time_gen", "time_old_logprob", "time_update",
-               "time_sync", "sync_seconds", "full_sync_seconds")
+TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "time_gen", "time_ref", "time_old_logprob",
+               "time_update", "time_sync", "sync_seconds", "full_sync_seconds")
 
 
 class ParityViolation(RuntimeError):
@@ -121,12 +129,15 @@ class PPORun:
         out.mkdir(parents=True, exist_ok=True)
         self.task = make_task(cfg.task, **(cfg.task_args or {}))
         base = base_checkpoint(cfg, out)
+        if cfg.ref_model is not None:
+            check_reference(Path(cfg.ref_model), base)
         self.tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
         self.eos = load_checkpoint_config_eos(base)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
                                      adapter=adapter, zero_stage=cfg.zero_stage)
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
+        self.reference = reference_forward(cfg, base) if self.rank0 and cfg.kl_coef > 0 else None
         self.engine: Any = None
         self.sync: WeightSync | None = None
         if self.rank0:
@@ -217,6 +228,15 @@ class PPORun:
         self.log(f"resumed from {path} at step {self.step}, policy version {self.version}")
 
     # --- one step -----------------------------------------------------------------------------------
+    def _reference_logprobs(self, batch: Any, index: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: the reference policy's log-probs of the sampled tokens [N, T] (None without a KL penalty)."""
+        from trainer.logprobs import padded_logprobs
+
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.temperature).gather(1, index)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t != self.eos])
 
@@ -238,7 +258,7 @@ class PPORun:
 
     def run_step(self) -> StepResult:
         """One PPO step. Collective: every rank gets rank 0's samples and runs the same trainer step."""
-        from trainer.logprobs import PaddedBatch, token_logprobs
+        from trainer.logprobs import PaddedBatch, token_logprobs_and_entropy
 
         cfg = self.cfg
         samples, rewards, t_roll, stale = self.backend.broadcast(self._rollout() if self.rank0 else None)
@@ -256,17 +276,22 @@ class PPORun:
             index[i, :c] = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + c)
             mask[i, :c] = 1.0
             old[i, :c] = s.logprobs
+        t_ref = time.perf_counter()
+        ref = self.backend.broadcast(self._reference_logprobs(batch, index) if self.rank0 else None)
+        t_ref = time.perf_counter() - t_ref
         report: dict[str, Any] = {}
         per_update: list[dict[str, float]] = []
         n = len(samples)
         updates = cfg.ppo_epochs * cfg.num_minibatches
 
-        def check(lp: torch.Tensor) -> None:
-            """The zero-KL check: the trainer's log-probs at the generating version vs the rollout's, every token."""
-            rollout = [SequenceLogprobs(str(i), s.completion_ids, s.logprobs) for i, s in enumerate(samples)]
-            trainer = [SequenceLogprobs(str(i), s.completion_ids, lp[i, : len(s.completion_ids)].detach())
-                       for i, s in enumerate(samples)]
+        def check(lp: torch.Tensor, rows: torch.Tensor) -> None:
+            """The zero-KL check: the trainer's log-probs `lp` of the samples `rows` at the generating version vs the
+            rollout's, every token."""
+            rollout = [SequenceLogprobs(str(i), samples[i].completion_ids, samples[i].logprobs) for i in rows.tolist()]
+            trainer = [SequenceLogprobs(str(i), samples[i].completion_ids, x[: len(samples[i].completion_ids)].detach())
+                       for i, x in zip(rows.tolist(), lp)]
             report["parity"] = compare(rollout, trainer)
+            report["checked"] = len(rows)
             if not report["parity"].all_equal and cfg.on_mismatch == "stop":
                 raise ParityViolation("trainer log-probs differ from the rollout engine's")
 
@@ -276,10 +301,12 @@ class PPORun:
             sub = PaddedBatch(batch.input_ids[rows], batch.lens[rows])
 
             def loss_fn(model: torch.nn.Module) -> torch.Tensor:
-                lp = token_logprobs(model, sub, cfg.temperature).gather(1, index[rows])
-                if updates == 1:  # the one update's forward runs at the generating version: it is the check
-                    check(lp)
-                loss, stats = ppo_loss(lp, old[rows], adv[rows], mask[rows], cfg.clip)
+                lp, ent = (x.gather(1, index[rows]) for x in token_logprobs_and_entropy(model, sub, cfg.temperature))
+                if "parity" not in report:  # the step's first update runs at the generating version: its rows' check
+                    check(lp, rows)
+                loss, stats = ppo_loss(lp, old[rows], adv[rows], mask[rows], cfg.clip,
+                                       ref_logp=None if ref is None else ref[rows], kl_coef=cfg.kl_coef,
+                                       kl_estimator=cfg.kl_estimator, entropy=ent, entropy_coef=cfg.entropy_coef)
                 m = mask[rows]
                 stats["ppo_kl"] = float(((old[rows] - lp.detach()) * m).sum() / m.sum().clamp(min=1))
                 per_update.append(stats)
@@ -291,8 +318,9 @@ class PPORun:
         losses, norms = [], []
         shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step))
         try:
-            if updates > 1:  # the old-log-prob pass: every sample at the generating version, before any update
-                check(self.backend.logprobs(batch, cfg.temperature).gather(1, index))
+            recompute = updates > 1 and (cfg.old_logprobs == "recompute" or self.step % cfg.parity_check_every == 0)
+            if recompute:  # the old-log-prob pass: every sample at the generating version, before any update
+                check(self.backend.logprobs(batch, cfg.temperature).gather(1, index), torch.arange(n))
             t_old = time.perf_counter() - t1
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
@@ -307,9 +335,12 @@ class PPORun:
         metrics = self._metrics(report, rewards, samples, t_roll, t_train)
         t2 = time.perf_counter()
         self._sync_new_version()
-        metrics.update(time_old_logprob=t_old, time_update=t_train - t_old, time_sync=time.perf_counter() - t2)
-        metrics.update(loss=loss, grad_norm=grad_norm, ppo_kl=sum(u["ppo_kl"] for u in per_update) / updates,
-                       clipfrac=sum(u["clip_frac"] for u in per_update) / updates)
+        metrics.update(old_logprob_recomputed=float(recompute), time_ref=t_ref, time_old_logprob=t_old,
+                       time_update=t_train - t_old, time_sync=time.perf_counter() - t2)
+        metrics.update(loss=loss, grad_norm=grad_norm, **{
+            name: sum(u[key] for u in per_update) / updates
+            for name, key in (("ppo_kl", "ppo_kl"), ("clipfrac", "clip_frac"), ("entropy", "entropy"), ("kl_ref", "kl_ref"))
+            if key in per_update[0]})
         if self.last_sync is not None:  # rank 0
             metrics.update(sync_seconds=self.last_sync.seconds, sync_bytes=self.last_sync.nbytes)
             if not self.cfg.lora and self.backend.model_cfg.text.expert_format is not None:
@@ -347,7 +378,8 @@ class PPORun:
         gen_tokens = sum(len(s.completion_ids) for s in samples)
         train_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
         out = {"step": self.step, "kl": rep.kl_k1, "max_abs_logprob_diff": rep.max_abs_diff,
-               "bitwise_equal_frac": rep.bitwise_equal / max(rep.tokens, 1), "reward_mean": float(rewards.mean()),
+               "bitwise_equal_frac": rep.bitwise_equal / max(rep.tokens, 1),
+               "parity_checked_frac": report["checked"] / len(samples), "reward_mean": float(rewards.mean()),
                "response_length_mean": gen_tokens / len(samples), "policy_version": self.version,
                "time_gen": t_roll, "rollout_tokens_per_s": gen_tokens / t_roll,
                "train_tokens_per_s": train_tokens / t_train if t_train else 0.0}
@@ -397,6 +429,24 @@ def base_checkpoint(cfg: PPOConfig, out: Path) -> Path:
                               "(it creates the checkpoint first) or set `model` to a checkpoint directory")
         init_checkpoint(model, ckpt, seed=cfg.seed)
     return ckpt
+
+
+def check_reference(path: Path, base: Path) -> None:
+    """Before anything starts: the reference checkpoint `path` has the policy's (`base`'s) text architecture."""
+    from parity.config import load_model_config
+
+    if load_model_config(path).text != load_model_config(base).text:
+        raise ConfigError(f"ref_model {path}: its text model config differs from the policy's ({base}); the reference "
+                          "must have the policy's architecture")
+
+
+def reference_forward(cfg: PPOConfig, base: Path) -> K3Forward:
+    """The frozen reference policy of the KL penalty: `cfg.ref_model`, or the run's starting checkpoint `base` (with
+    LoRA: the base without any adapter), on the run's kernels."""
+    from parity.io.checkpoint import load_checkpoint
+
+    model_cfg, weights = load_checkpoint(Path(cfg.ref_model) if cfg.ref_model is not None else base)
+    return K3Forward(K3Weights.from_official(model_cfg.text, weights), get_kernels(cfg.kernels))
 
 
 def resume_point(path: Path) -> Path:
