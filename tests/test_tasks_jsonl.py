@@ -21,10 +21,8 @@ import pytest
 from parity.config import ConfigError
 from zerokl.cli import main
 from zerokl.ppo.config import load_ppo_config
-from zerokl.tasks import RewardError, make_task
-from zerokl.tasks.jsonl import JsonlTask
+from zerokl.tasks import RewardError, make_task, word_problems
 from zerokl.tasks.rewards import last_number, math_reward
-from zerokl.tasks import word_problems
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = '{"prompt": "Tom has 3 pens and gets 4 more. How many pens now? Answer:", "answer": 7}'
