@@ -326,3 +326,18 @@ def test_the_command_refuses_a_bad_dataset_before_anything_starts(tmp_path: Path
     assert lines[0] == (f"zerokl: error: {config}: task jsonl: dataset {data}:2: no 'answer' field; each line is an "
                         "object with 'prompt' (text) and 'answer' (text or a number)")
     assert not out.exists() and seconds < 10, seconds  # no checkpoint, no engine (an engine start alone takes longer)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_trainer_starts(tmp_path: Path, k3_tiny: Path,
+                                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A dataset prompt that cannot fit the rollout context with `max_tokens` is named (file and line) as soon as the
+    tokenizer exists, before the trainer or the engine."""
+    data = _dataset(tmp_path, GOOD, json.dumps({"prompt": "1 + 1 = " * 400, "answer": 2}))
+    config = _config(tmp_path, "{path: data.jsonl, reward: 'builtin:math'}")
+    config.write_text(config.read_text().replace(str(REPO / "configs/k3-tiny.yaml"), str(k3_tiny)))
+    capsys.readouterr()
+    t0 = time.monotonic()
+    assert main(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), "--wandb", "disabled"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"dataset {data}:2: the prompt has " in err[0] and "tokens; at most 504 fit" in err[0], err
+    assert time.monotonic() - t0 < 10

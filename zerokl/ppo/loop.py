@@ -19,7 +19,7 @@ With `kl_coef > 0` the loss adds a KL penalty (`kl_estimator` k1 or k3) to a fro
 checkpoint or `ref_model`), whose log-probs rank 0 computes with the shared forward; `entropy_coef` subtracts the
 policy's mean entropy; `kl_ref` and `entropy` are reported.
 
-Everything the next step depends on (weights, optimizer state, RNG states, task cursor, policy version) is
+Everything the next step depends on (weights, optimizer state, RNG states (the task samples by the run's Random alone), policy version) is
 checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
 
 With the DeepSpeed backend on several processes (`zerokl ppo --nproc-per-node N`, or a torchrun-style launcher),
@@ -63,7 +63,7 @@ from parity.io.atomic import commit_partial, partial_path
 from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, WeightBundle
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
-from zerokl.tasks import make_task
+from zerokl.tasks import RewardError, make_task
 
 METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "parity_checked_frac", "reward_mean",
                "response_length_mean",
@@ -132,6 +132,7 @@ class PPORun:
         if cfg.ref_model is not None:
             check_reference(Path(cfg.ref_model), base)
         self.tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+        check_prompt_lengths(self.task, self.tokenizer, (engine_args or ENGINE_ARGS)["max_model_len"] - cfg.max_tokens)
         self.eos = load_checkpoint_config_eos(base)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
@@ -261,7 +262,16 @@ class PPORun:
         from trainer.logprobs import PaddedBatch, token_logprobs_and_entropy
 
         cfg = self.cfg
-        samples, rewards, t_roll, stale = self.backend.broadcast(self._rollout() if self.rank0 else None)
+        rolled: Any = None
+        if self.rank0:
+            try:
+                rolled = self._rollout()
+            except RewardError as e:  # every rank stops with it, none waits in the broadcast
+                rolled = RewardError(str(e))
+        rolled = self.backend.broadcast(rolled)
+        if isinstance(rolled, RewardError):
+            raise rolled
+        samples, rewards, t_roll, stale = rolled
         if stale:
             raise StaleRollout(f"rollouts sampled with policy version {stale[0]}, trainer holds {self.version}")
         adv = grpo_advantages(rewards, cfg.samples_per_prompt, cfg.normalize_adv_std)
@@ -431,6 +441,16 @@ def base_checkpoint(cfg: PPOConfig, out: Path) -> Path:
     return ckpt
 
 
+def check_prompt_lengths(task: Any, tokenizer: Any, room: int) -> None:
+    """Before the engine starts: every prompt of a dataset task (one with `samples`) fits in `room` tokens (the
+    engine's context less `max_tokens`); ConfigError naming the first line that does not."""
+    for sample in getattr(task, "samples", ()):
+        n = len(tokenizer.encode(sample.prompt).ids)
+        if n > room:
+            raise ConfigError(f"task {task.name}: dataset {task.path}:{sample.line}: the prompt has {n} tokens; at most "
+                              f"{room} fit (the rollout context less max_tokens)")
+
+
 def check_reference(path: Path, base: Path) -> None:
     """Before anything starts: the reference checkpoint `path` has the policy's (`base`'s) text architecture."""
     from parity.config import load_model_config
@@ -477,7 +497,8 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
     state = read_run_state(path)
     saved = state["config"]
     same = {"model": Path(str(saved.get("model"))).resolve() == Path(cfg.model).resolve(),
-            "lora": saved.get("lora", False) == cfg.lora}
+            "lora": saved.get("lora", False) == cfg.lora, "task": saved.get("task") == cfg.task,
+            "task_args": saved.get("task_args") == cfg.task_args}
     for key, ok in same.items():
         if not ok:
             raise ConfigError(f"{path} was written by a run with {key}: {saved.get(key)!r}; this run has {key}: "
