@@ -48,28 +48,37 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("key", "value", "says"), [
-    ("lr", "fast", "lr must be a finite number, got 'fast'"),
-    ("lr", "-0.003", "lr must be > 0, got -0.003"),
-    ("lr", ".nan", "lr must be a finite number, got nan"),
-    ("steps", "2.7", "steps must be an integer, got 2.7"),
-    ("steps", '"ten"', "steps must be an integer, got 'ten'"),
-    ("samples_per_prompt", "4.5", "samples_per_prompt must be an integer, got 4.5"),
-    ("normalize_adv_std", "3", "normalize_adv_std must be true or false, got 3"),
-    ("task_args", "[1, 2]", "task_args must be a mapping"),
-    ("kl_coef", "-1", "kl_coef must be >= 0, got -1"),
-    ("kl_estimator", "k2", "kl_estimator must be one of k1, k3, got 'k2'"),
-    ("ref_model", "configs", "ref_model is only read with kl_coef > 0"),
-    ("old_logprobs", "rollout", "with ppo_epochs x num_minibatches = 1 the update's own forward is the check"),
-    ("parity_check_every", "3", "parity_check_every is only read with old_logprobs: rollout"),
-    ("advantage", "gae", "advantage 'gae' needs a critic, which zerokl ppo does not train yet"),
-    ("num_minibatches", "64", "num_minibatches = 64 is more than the 32 samples of a step"),
-    ("ppo_epochs", "0", "ppo_epochs must be >= 1, got 0"),
-    ("model", "5", "model must be a model config or checkpoint path"),
+@pytest.mark.parametrize(("keys", "says"), [
+    ({"lr": "fast"}, "lr must be a finite number, got 'fast'"),
+    ({"lr": "-0.003"}, "lr must be > 0, got -0.003"),
+    ({"lr": ".nan"}, "lr must be a finite number, got nan"),
+    ({"steps": "2.7"}, "steps must be an integer, got 2.7"),
+    ({"steps": '"ten"'}, "steps must be an integer, got 'ten'"),
+    ({"samples_per_prompt": "4.5"}, "samples_per_prompt must be an integer, got 4.5"),
+    ({"normalize_adv_std": "3"}, "normalize_adv_std must be true or false, got 3"),
+    ({"task_args": "[1, 2]"}, "task_args must be a mapping"),
+    ({"kl_coef": "-1"}, "kl_coef must be >= 0, got -1"),
+    ({"kl_estimator": "k2"}, "kl_estimator must be one of k1, k3, got 'k2'"),
+    ({"ref_model": "configs"}, "ref_model is only read with kl_coef > 0"),
+    ({"old_logprobs": "rollout"}, "with ppo_epochs x num_minibatches = 1 the update's own forward is the check"),
+    ({"parity_check_every": "3"}, "parity_check_every is only read with old_logprobs: rollout"),
+    ({"num_minibatches": "64"}, "num_minibatches = 64 is more than the 32 samples of a step"),
+    ({"ppo_epochs": "0"}, "ppo_epochs must be >= 1, got 0"),
+    ({"model": "5"}, "model must be a model config or checkpoint path"),
+    ({"gamma": "0.99"}, "gamma is only read with advantage: gae"),
+    ({"value_clip": "0.2"}, "value_clip is only read with advantage: gae"),
+    ({"advantage": "gae", "gamma": "1.5"}, "gamma must be in [0, 1], got 1.5"),
+    ({"advantage": "gae", "lam": "-0.1"}, "lam must be in [0, 1], got -0.1"),
+    ({"advantage": "gae", "vf_coef": "0"}, "vf_coef must be > 0, got 0"),
+    ({"advantage": "gae", "value_clip": "-1"}, "value_clip must be > 0, got -1"),
+    ({"advantage": "gae", "backend": "deepspeed"}, "advantage 'gae' trains a value head on the megatron backend only"),
+    ({"advantage": "gae", "lora": "true"}, "advantage 'gae' trains the value head with the trunk, which lora freezes"),
+    ({"advantage": "gae", "ppo_epochs": "2", "old_logprobs": "rollout"}, "old_logprobs 'rollout' skips"),
+    ({"advantage": "gae", "normalize_adv_std": "true"}, "normalize_adv_std is GRPO's"),
 ])
-def test_ppo_config_values_are_checked(key: str, value: str, says: str, k3_tiny: Path, tmp_path: Path,
+def test_ppo_config_values_are_checked(keys: dict[str, str], says: str, k3_tiny: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    config = _ppo_config(tmp_path, k3_tiny, **{key: value})
+    config = _ppo_config(tmp_path, k3_tiny, **keys)
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config), says)
     assert not (tmp_path / "out").exists()
 

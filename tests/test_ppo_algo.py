@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trainer.logprobs import next_token_entropy
-from zerokl.ppo.algo import gae_advantages, grpo_advantages, kl_to_reference, ppo_loss
+from zerokl.ppo.algo import (explained_variance, gae_advantages, grpo_advantages, kl_to_reference, masked_whiten,
+                             ppo_loss, value_loss)
 from zerokl.tasks import Addition, Problem, Reversal, make_task
 
 
@@ -29,6 +30,38 @@ def test_gae_matches_hand_computation() -> None:
     torch.testing.assert_close(adv[0], torch.tensor([d0 + 0.5 * (d1 + 0.5 * d2), d1 + 0.5 * d2, d2]))
     torch.testing.assert_close(adv[1], torch.tensor([1.5, 0.0, 0.0]))
     torch.testing.assert_close(ret[0, 2], torch.tensor(1.0))
+
+
+def test_value_loss_clips_around_the_old_values() -> None:
+    """0.5 x the token mean of max(unclipped, clipped) squared errors; padding ignored; the clip fraction counts the
+    tokens where the clipped error is the larger."""
+    old = torch.tensor([[0.0, 0.0], [1.0, 9.0]])
+    returns = torch.tensor([[1.0, 1.0], [1.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    new = torch.tensor([[0.5, 1.0], [1.0, 0.0]], requires_grad=True)
+    loss, frac = value_loss(new, old, returns, mask, clip=0.2)
+    # token (0,0): V 0.5 -> clipped 0.2: max(0.25, 0.64); (0,1): V 1.0 -> 0.2: max(0, 0.64); (1,0): exact, 0
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.64 + 0.0) / 3)
+    assert frac == pytest.approx(2 / 3)
+    loss.backward()
+    assert new.grad[0].abs().sum() == 0 and new.grad[1, 1] == 0  # the clipped branch and padding carry no gradient
+    unclipped, frac = value_loss(new.detach(), old, returns, mask, clip=10.0)
+    assert unclipped.item() == pytest.approx(0.5 * 0.25 / 3) and frac == 0.0
+    pulled = torch.tensor([[2.0, 1.0], [1.0, 0.0]], requires_grad=True)  # unclipped error the larger: its gradient
+    value_loss(pulled, old, returns, mask, clip=0.2)[0].backward()
+    assert pulled.grad[0, 0].item() == pytest.approx((2.0 - 1.0) / 3)
+
+
+def test_whiten_and_explained_variance_over_valid_tokens() -> None:
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 0.0, -50.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    w = masked_whiten(x, mask)
+    torch.testing.assert_close(w, torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    returns = torch.tensor([[1.0, 2.0, 7.0], [3.0, 0.0, 7.0]])
+    assert explained_variance(returns, returns, mask) == 1.0
+    assert explained_variance(returns, torch.full_like(returns, 2.0), mask) == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(returns, torch.full_like(returns, 2.0) + (returns - 2.0) * 0.5, mask) == pytest.approx(0.75)
+    assert explained_variance(torch.ones(2, 3), torch.zeros(2, 3), mask) == 0.0
 
 
 def test_ppo_loss_on_policy_is_minus_mean_advantage_and_clips() -> None:

@@ -59,6 +59,12 @@ class TrainerBackend(ABC):
         with torch.no_grad():
             return token_logprobs(self.model, batch, temperature)
 
+    def logprobs_and_values(self, batch: PaddedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs` of a padded batch (the same bits) and the value head's values [B, T], aligned alike, from one
+        no-grad forward; only a backend built with a value head has them."""
+        with torch.no_grad():
+            return self.model(batch.input_ids, batch.lens, temperature, values=True)
+
     @abstractmethod
     def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
         """loss = loss_fn(model), backward, Megatron's grad-norm clipping, one optimizer step; returns

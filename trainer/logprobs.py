@@ -57,11 +57,15 @@ class PackedBatch:
 
 
 def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float,
-                    entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    entropy: bool = False,
+                    value_head: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One forward over right-padded rows -> lp: [B, T] (next-token aligned, zeros past each row's last
     scored token). Same calls as `parity.model.score_sequences`, so the same bits. With `entropy`, also the
     entropy of each position's next-token distribution softmax(logits / temperature), aligned and zeroed alike
-    (fp32, differentiable; a loss term, not part of the parity contract)."""
+    (fp32, differentiable; a loss term, not part of the parity contract). With `value_head` ([1, D] fp32), also the
+    values: value_head . final_norm(hidden) at each position (the value before the token it predicts), aligned and
+    zeroed alike, fp32, computed beside the logits (their bits are untouched). Returns lp, or (lp, [entropy,]
+    [values])."""
     b, t = input_ids.shape
     pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
     hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype))
@@ -69,10 +73,14 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     lp = fwd.token_logprobs(logits, input_ids[:, 1:], temperature)  # [B, T-1]
     scored = torch.arange(t - 1).view(1, -1) < (lens - 1).view(-1, 1)
     zero = torch.zeros((), dtype=lp.dtype)
-    lp = F.pad(torch.where(scored, lp, zero), (0, 1))
-    if not entropy:
-        return lp
-    return lp, F.pad(torch.where(scored, next_token_entropy(logits, temperature), zero), (0, 1))
+    out = [F.pad(torch.where(scored, lp, zero), (0, 1))]
+    if entropy:
+        out.append(F.pad(torch.where(scored, next_token_entropy(logits, temperature), zero), (0, 1)))
+    if value_head is not None:
+        normed = fwd.k.rmsnorm(hidden[:, :-1], fwd.weight(fwd.names.norm), fwd.cfg.rms_norm_eps)
+        values = (normed.float() @ value_head.t()).squeeze(-1)
+        out.append(F.pad(torch.where(scored, values, zero), (0, 1)))
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def next_token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -95,3 +103,10 @@ def token_logprobs_and_entropy(model: torch.nn.Module, batch: PaddedBatch,
     """`token_logprobs` of a padded batch and the entropy of each position's next-token distribution, both [B, T]
     (`padded_logprobs` with `entropy`), from one forward."""
     return model(batch.input_ids, batch.lens, temperature, entropy=True)
+
+
+def token_logprobs_entropy_and_values(model: torch.nn.Module, batch: PaddedBatch,
+                                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_logprobs_and_entropy` and the value head's values (`padded_logprobs` with `value_head`), all [B, T],
+    from one forward of a model with a value head."""
+    return model(batch.input_ids, batch.lens, temperature, entropy=True, values=True)

@@ -17,21 +17,23 @@ from trainer.megatron.parallel import destroy_parallel, init_parallel
 from trainer.megatron.train import build_trainer, train_step
 
 OPTIMIZER_FILE = "optimizer.pt"  # in a saved state: Megatron's optimizer state dict
+VALUE_HEAD_FILE = "value_head.pt"  # in a saved state with a value head: its [1, hidden] fp32 weight
 
 
 class MegatronBackend(TrainerBackend):
-    """`trainer.megatron.train.build_trainer` at TP = EP = 1 in this process."""
+    """`trainer.megatron.train.build_trainer` at TP = EP = 1 in this process, with a value head (GAE's critic) when
+    asked: trained in the same optimizer step, saved and restored with the state, never exported."""
 
     name = "megatron"
 
     def __init__(self, checkpoint: Path, lr: float, clip_grad: float, weight_decay: float, kernels: str,
-                 adapter: Adapter | None):
+                 adapter: Adapter | None, value_head: bool = False):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("the megatron backend runs in one process (TP = EP = 1); "
                               "train on several processes with the deepspeed backend")
         self.par = init_parallel(1, 1)
         self.trainer = build_trainer(checkpoint, self.par, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
-                                     kernels=kernels, adapter=adapter)
+                                     kernels=kernels, adapter=adapter, value_head=value_head)
         self.model_cfg = self.trainer.module.config.k3
         self.has_adapter = adapter is not None
 
@@ -47,6 +49,15 @@ class MegatronBackend(TrainerBackend):
     def _save_adapter(self, out: Path) -> None:
         save_adapter(self.trainer.module, out)
 
+    def save_state(self, path: str | Path) -> Path:
+        """`TrainerBackend.save_state` plus, with a value head, its weight (VALUE_HEAD_FILE; its Adam moments are in
+        the optimizer state)."""
+        path = super().save_state(path)
+        head = self.trainer.module.value_head
+        if head is not None:
+            torch.save(head.weight.detach().clone(), path / VALUE_HEAD_FILE)
+        return path
+
     def _save_optimizer(self, path: Path) -> None:
         torch.save(self.trainer.optimizer.state_dict(), path / OPTIMIZER_FILE)
 
@@ -58,6 +69,12 @@ class MegatronBackend(TrainerBackend):
             self._load_adapter(load_adapter(path / ADAPTER_DIR, self.model_cfg.text))
         else:
             load_official(self.trainer.module, torch.load(path / WEIGHTS_FILE))
+        head = self.trainer.module.value_head
+        if head is not None:
+            if not (path / VALUE_HEAD_FILE).is_file():
+                raise FileNotFoundError(f"{path} holds no value head ({VALUE_HEAD_FILE}): not a state saved with one")
+            with torch.no_grad():
+                head.weight.copy_(torch.load(path / VALUE_HEAD_FILE, weights_only=True))
         self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
 
     def _load_adapter(self, adapter: Adapter) -> None:

@@ -270,10 +270,23 @@ class MegatronK3Model(MegatronModule):
         self.storage_dtypes: dict[str, torch.dtype] = {}
         self.lora_scales: dict[str, float] = {}
         self.lora_spec: LoraSpec | None = None
+        self.value_head: Weight | None = None
 
     def official_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's parameters under their official text tensor names (local shards, local experts); no LoRA."""
-        return {f"{self.root}{name}": p for name, p in self.named_parameters() if not _is_lora(name)}
+        """This rank's parameters under their official text tensor names (local shards, local experts); no LoRA, no
+        value head."""
+        return {f"{self.root}{name}": p for name, p in self.named_parameters()
+                if not _is_lora(name) and not name.startswith(VALUE_HEAD_PREFIX)}
+
+    def add_value_head(self) -> None:
+        """A critic for GAE: a [1, hidden] fp32 projection of the final-normed hidden state, zero-initialised (every
+        value 0 at the start), trained with the trunk. Not an official tensor: exports and syncs never see it. Call
+        before wrapping in DDP (which registers trainable parameters)."""
+        if self.value_head is not None:
+            raise ValueError("the model already carries a value head")
+        h = self.config.k3.text.hidden_size
+        self.value_head = Weight(nn.Parameter(torch.zeros(1, h, dtype=torch.float32,
+                                                          device=self.model.embed_tokens.weight.device)))
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's LoRA parameters under their official-style names
@@ -303,14 +316,20 @@ class MegatronK3Model(MegatronModule):
             module.lora_B = Weight(_param(config, out_f, rank, tp_dim=b_split.tp_dim))
             self.lora_scales[base] = scale
 
-    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float,
-                entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float, entropy: bool = False,
+                values: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`; with
-        `entropy`, (lp, entropy)), on the parameters' device (the forward's own tensors are made there too)."""
+        `entropy` and / or `values` (the value head's), a tuple (lp, [entropy,] [values])), on the parameters' device
+        (the forward's own tensors are made there too)."""
+        if values and self.value_head is None:
+            raise ValueError("values asked of a model without a value head (add_value_head)")
         device = self.model.embed_tokens.weight.device
         with torch.device(device):
             return padded_logprobs(ParallelK3Forward.for_model(self), input_ids.to(device), lens.to(device), temperature,
-                                   entropy)
+                                   entropy, self.value_head.weight if values else None)
+
+
+VALUE_HEAD_PREFIX = "value_head."  # the value head's parameter name in the module (`add_value_head`)
 
 
 def _is_lora(name: str) -> bool:

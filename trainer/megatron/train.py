@@ -49,12 +49,17 @@ def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: P
 
 
 def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_grad: float = 1.0,
-                  weight_decay: float = 0.0, kernels: str = "invariant", adapter: Adapter | None = None) -> Trainer:
-    """Load `checkpoint` (and `adapter`: LoRA training, base frozen), wrap the model in Megatron's DDP (fp32
-    grads) and build Megatron's Adam over the trainable parameters."""
+                  weight_decay: float = 0.0, kernels: str = "invariant", adapter: Adapter | None = None,
+                  value_head: bool = False) -> Trainer:
+    """Load `checkpoint` (and `adapter`: LoRA training, base frozen), add a value head when asked
+    (`MegatronK3Model.add_value_head`: trained with the model), wrap the model in Megatron's DDP (fp32 grads) and
+    build Megatron's Adam over the trainable parameters."""
     model_cfg, weights = load_checkpoint(checkpoint)
     masters = master_weights(model_cfg.text, weights)  # MXFP4 experts dequantised to fp32 masters (exact)
-    return wrap(build_model(model_cfg, masters, par, kernels, adapter=adapter), lr, clip_grad, weight_decay)
+    module = build_model(model_cfg, masters, par, kernels, adapter=adapter)
+    if value_head:
+        module.add_value_head()
+    return wrap(module, lr, clip_grad, weight_decay)
 
 
 def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Trainer:

@@ -1,4 +1,5 @@
-"""PPO math: advantages (GRPO group baseline, GAE) and the clipped surrogate loss, on padded token tensors.
+"""PPO math: advantages (GRPO group baseline, GAE), the clipped surrogate loss and the clipped value loss, on padded
+token tensors.
 
 Shapes: `[N, T]` for N sampled completions of up to T tokens with a 0/1 `mask`; rewards `[N]`.
 """
@@ -37,6 +38,40 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
         last = torch.where(valid, delta + gamma * lam * torch.where(is_last, torch.zeros_like(last), last), last)
         adv[:, i] = torch.where(valid, last, torch.zeros_like(last))
     return adv, (adv + values) * mask
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) with the mean and the (unbiased) variance over the valid tokens (verl's
+    `masked_whiten`); 0 on padding."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float) -> tuple[torch.Tensor, float]:
+    """PPO's clipped value loss (verl, OpenRLHF): 0.5 x the token mean of max((V - R)^2, (V_clip - R)^2) with
+    V_clip = old_values + clamp(V - old_values, -clip, clip). All [N, T]. Returns (loss, clip fraction: the share of
+    tokens whose clipped error is the larger)."""
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    err, err_clipped = (values - returns) ** 2, (clipped - returns) ** 2
+    denom = mask.sum().clamp(min=1)
+    loss = 0.5 * (torch.maximum(err, err_clipped) * mask).sum() / denom
+    return loss, float(((err_clipped > err).float() * mask).sum() / denom)
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the valid tokens: 1 for a perfect critic, 0 for one no better
+    than the mean return, negative for worse; 0 when the returns do not vary."""
+    n = mask.sum().clamp(min=1)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * mask).sum() / n
+        return ((x - mean) ** 2 * mask).sum() / n
+
+    total = var(returns)
+    return 0.0 if total == 0 else float(1 - var(returns - values) / total)
 
 
 KL_ESTIMATORS = ("k1", "k3")

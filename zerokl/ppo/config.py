@@ -18,6 +18,9 @@ from zerokl.tasks import make_task, resolve_paths
 from zerokl.ppo.algo import KL_ESTIMATORS
 
 
+GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2}  # the keys only advantage: gae reads
+
+
 @dataclass(frozen=True)
 class PPOConfig:
     """One PPO run. `model` is a model config (YAML) or a checkpoint directory."""
@@ -40,8 +43,12 @@ class PPOConfig:
     kl_estimator: str = "k3"  # k1 or k3 (zerokl.ppo.algo.kl_to_reference)
     ref_model: str | None = None  # the reference: this checkpoint directory; None: the run's starting checkpoint
     entropy_coef: float = 0.0  # > 0: an entropy bonus in the loss
-    advantage: str = "grpo"
+    advantage: str = "grpo"  # grpo (group baseline) or gae (a value head on the trunk: GAE_DEFAULTS)
     normalize_adv_std: bool = False
+    gamma: float | None = None  # advantage: gae only; the discount
+    lam: float | None = None  # advantage: gae only; GAE's lambda
+    vf_coef: float | None = None  # advantage: gae only; the value loss's weight in the joint loss
+    value_clip: float | None = None  # advantage: gae only; PPO's value clipping range around the old values
     grad_clip: float = 1.0
     seed: int = 0
     kernels: str = "invariant"
@@ -109,10 +116,37 @@ class PPOConfig:
         for name in ("kl_coef", "entropy_coef", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ppo config: {name} must be >= 0, got {getattr(self, name)}")
-        # keys whose features are not built: refused rather than accepted and ignored
         if self.advantage == "gae":
-            raise ConfigError("ppo config: advantage 'gae' needs a critic, which zerokl ppo does not train yet; "
-                              "use advantage: grpo")
+            self._check_gae()
+        else:
+            for name in GAE_DEFAULTS:
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"ppo config: {name} is only read with advantage: gae (the value head); "
+                                      f"drop {name} or set advantage: gae")
+
+    def _check_gae(self) -> None:
+        """advantage: gae: GAE_DEFAULTS fill the keys not given; values in range; what the value head runs with."""
+        for name, default in GAE_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"ppo config: {name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("vf_coef", "value_clip"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ppo config: {name} must be > 0, got {getattr(self, name)}")
+        if self.backend != "megatron":
+            raise ConfigError(f"ppo config: advantage 'gae' trains a value head on the megatron backend only, got "
+                              f"backend {self.backend!r}; use backend: megatron or advantage: grpo")
+        if self.lora:
+            raise ConfigError("ppo config: advantage 'gae' trains the value head with the trunk, which lora freezes; "
+                              "use lora: false or advantage: grpo")
+        if self.old_logprobs == "rollout":
+            raise ConfigError("ppo config: advantage 'gae' needs the old values of the no-grad pass every step, which "
+                              "old_logprobs 'rollout' skips; use old_logprobs: recompute")
+        if self.normalize_adv_std:
+            raise ConfigError("ppo config: normalize_adv_std is GRPO's (per-group std); advantage 'gae' whitens the "
+                              "advantages over the batch's tokens already: drop normalize_adv_std")
 
 
 _FLOAT_TEXT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")  # what YAML 1.1 leaves a string, e.g. 3e-3

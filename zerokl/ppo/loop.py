@@ -3,7 +3,7 @@ DeepSpeed ZeRO, `trainer.backend`), weight sync back into the engine, every step
 
 Per step: sample prompts from the task -> `RolloutEngine.generate` (n samples each, temperature sampling,
 log-probs of the sampled tokens, tagged with the policy version) -> rule-based rewards -> GRPO advantages
--> the trainer. Before any update, the trainer's log-probs of the sampled tokens at the generating policy version
+(or GAE with a value head, below) -> the trainer. Before any update, the trainer's log-probs of the sampled tokens at the generating policy version
 must equal the rollout log-probs bit for bit (KL = 0, every ratio exactly 1); otherwise the run stops with a
 first-divergence diagnosis (or only reports it with `on_mismatch: warn`). With one update per step that check is
 the update's own forward; with `ppo_epochs` x `num_minibatches` > 1 it is a no-grad pass over every sample first
@@ -18,6 +18,18 @@ update, whose forward runs at the generating version anyway (`parity_checked_fra
 With `kl_coef > 0` the loss adds a KL penalty (`kl_estimator` k1 or k3) to a frozen reference policy (the starting
 checkpoint or `ref_model`), whose log-probs rank 0 computes with the shared forward; `entropy_coef` subtracts the
 policy's mean entropy; `kl_ref` and `entropy` are reported.
+
+With `advantage: gae` the critic is a value head on the policy's trunk (`MegatronK3Model.add_value_head`: a [1, hidden]
+fp32 projection of the final-normed hidden state, zero at the start), trained jointly: the loss adds `vf_coef` x the
+clipped value loss (`zerokl.ppo.algo.value_loss`, `value_clip` around the old values) and one optimizer step updates
+both. The value before completion token j is read at the position whose hidden state predicts j (the log-prob's
+`index`). Old values are the generating version's: with one update per step from the update's own forward (detached),
+else from the no-grad pass, which then returns values too (`old_logprobs: rollout`, which skips it, is refused with
+GAE). GAE (`gamma`, `lam`, terminal reward) gives per-token advantages, whitened over the batch's valid tokens (as
+verl does), and returns (unwhitened). The head never touches the log-probs (computed beside the logits from the same
+hidden state), is no official tensor (exports, syncs and checkpoints' official weights never see it) and is saved
+with the trainer state (its Adam moments in the optimizer's). `value_loss`, `vf_clipfrac` and `explained_var` (at the
+generating version) are reported. GAE runs on the megatron backend, without LoRA.
 
 Everything the next step depends on (weights, optimizer state, RNG states (the task samples by the run's Random alone), policy version) is
 checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
@@ -57,7 +69,7 @@ from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.weights import bf16_bytes, serving_weights
 from parity.io.checkpoint import init_checkpoint
-from zerokl.ppo.algo import grpo_advantages, ppo_loss
+from zerokl.ppo.algo import explained_variance, gae_advantages, grpo_advantages, masked_whiten, ppo_loss, value_loss
 from zerokl.ppo.config import PPOConfig
 from parity.io.atomic import commit_partial, partial_path
 from parity.quant.mxfp4 import QuantError
@@ -136,7 +148,7 @@ class PPORun:
         self.eos = load_checkpoint_config_eos(base)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
-                                     adapter=adapter, zero_stage=cfg.zero_stage)
+                                     adapter=adapter, zero_stage=cfg.zero_stage, value_head=cfg.advantage == "gae")
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
         self.reference = reference_forward(cfg, base) if self.rank0 and cfg.kl_coef > 0 else None
         self.engine: Any = None
@@ -259,7 +271,7 @@ class PPORun:
 
     def run_step(self) -> StepResult:
         """One PPO step. Collective: every rank gets rank 0's samples and runs the same trainer step."""
-        from trainer.logprobs import PaddedBatch, token_logprobs_and_entropy
+        from trainer.logprobs import PaddedBatch, token_logprobs_and_entropy, token_logprobs_entropy_and_values
 
         cfg = self.cfg
         rolled: Any = None
@@ -274,7 +286,7 @@ class PPORun:
         samples, rewards, t_roll, stale = rolled
         if stale:
             raise StaleRollout(f"rollouts sampled with policy version {stale[0]}, trainer holds {self.version}")
-        adv = grpo_advantages(rewards, cfg.samples_per_prompt, cfg.normalize_adv_std)
+        gae = cfg.advantage == "gae"
         seqs = [s.prompt_ids + s.completion_ids for s in samples]
         batch = PaddedBatch.from_sequences(seqs)
         n_tok = max(len(s.completion_ids) for s in samples)
@@ -291,6 +303,9 @@ class PPORun:
         t_ref = time.perf_counter() - t_ref
         report: dict[str, Any] = {}
         per_update: list[dict[str, float]] = []
+        # "adv" [N] (GRPO) or [N, T]; with GAE also "returns" and "values" [N, T], at the generating version
+        targets: dict[str, torch.Tensor] = {} if gae else {
+            "adv": grpo_advantages(rewards, cfg.samples_per_prompt, cfg.normalize_adv_std)}
         n = len(samples)
         updates = cfg.ppo_epochs * cfg.num_minibatches
 
@@ -305,18 +320,34 @@ class PPORun:
             if not report["parity"].all_equal and cfg.on_mismatch == "stop":
                 raise ParityViolation("trainer log-probs differ from the rollout engine's")
 
+        def set_gae_targets(values: torch.Tensor) -> None:
+            """GAE from the old values [N, T] (every sample, generating version): advantages whitened over the
+            batch's valid tokens, returns unwhitened."""
+            values = values.detach() * mask
+            adv, returns = gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
+            targets.update(adv=masked_whiten(adv, mask), returns=returns, values=values)
+
         def loss_for(rows: torch.Tensor) -> Callable[[torch.nn.Module], torch.Tensor]:
-            """The clipped surrogate on the samples `rows`; old log-probs are the rollout's (bitwise the trainer's at
-            the generating version, which `check` establishes)."""
+            """The clipped surrogate on the samples `rows` (+ `vf_coef` x the clipped value loss with GAE); old
+            log-probs are the rollout's (bitwise the trainer's at the generating version, which `check`
+            establishes)."""
             sub = PaddedBatch(batch.input_ids[rows], batch.lens[rows])
 
             def loss_fn(model: torch.nn.Module) -> torch.Tensor:
-                lp, ent = (x.gather(1, index[rows]) for x in token_logprobs_and_entropy(model, sub, cfg.temperature))
+                forward = token_logprobs_entropy_and_values if gae else token_logprobs_and_entropy
+                lp, ent, *value = (x.gather(1, index[rows]) for x in forward(model, sub, cfg.temperature))
                 if "parity" not in report:  # the step's first update runs at the generating version: its rows' check
                     check(lp, rows)
-                loss, stats = ppo_loss(lp, old[rows], adv[rows], mask[rows], cfg.clip,
+                if "adv" not in targets:  # GAE, one update: its forward (every sample) is at the generating version
+                    set_gae_targets(value[0])
+                loss, stats = ppo_loss(lp, old[rows], targets["adv"][rows], mask[rows], cfg.clip,
                                        ref_logp=None if ref is None else ref[rows], kl_coef=cfg.kl_coef,
                                        kl_estimator=cfg.kl_estimator, entropy=ent, entropy_coef=cfg.entropy_coef)
+                if gae:
+                    vf_loss, stats["vf_clip_frac"] = value_loss(value[0], targets["values"][rows],
+                                                                targets["returns"][rows], mask[rows], cfg.value_clip)
+                    loss = loss + cfg.vf_coef * vf_loss
+                    stats["value_loss"] = float(vf_loss.detach())
                 m = mask[rows]
                 stats["ppo_kl"] = float(((old[rows] - lp.detach()) * m).sum() / m.sum().clamp(min=1))
                 per_update.append(stats)
@@ -329,7 +360,11 @@ class PPORun:
         shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step))
         try:
             recompute = updates > 1 and (cfg.old_logprobs == "recompute" or self.step % cfg.parity_check_every == 0)
-            if recompute:  # the old-log-prob pass: every sample at the generating version, before any update
+            if recompute and gae:  # the old-log-prob pass, with the old values
+                lp, values = self.backend.logprobs_and_values(batch, cfg.temperature)
+                check(lp.gather(1, index), torch.arange(n))
+                set_gae_targets(values.gather(1, index))
+            elif recompute:  # the old-log-prob pass: every sample at the generating version, before any update
                 check(self.backend.logprobs(batch, cfg.temperature).gather(1, index), torch.arange(n))
             t_old = time.perf_counter() - t1
             for _ in range(cfg.ppo_epochs):
@@ -349,8 +384,11 @@ class PPORun:
                        time_update=t_train - t_old, time_sync=time.perf_counter() - t2)
         metrics.update(loss=loss, grad_norm=grad_norm, **{
             name: sum(u[key] for u in per_update) / updates
-            for name, key in (("ppo_kl", "ppo_kl"), ("clipfrac", "clip_frac"), ("entropy", "entropy"), ("kl_ref", "kl_ref"))
+            for name, key in (("ppo_kl", "ppo_kl"), ("clipfrac", "clip_frac"), ("entropy", "entropy"),
+                              ("kl_ref", "kl_ref"), ("value_loss", "value_loss"), ("vf_clipfrac", "vf_clip_frac"))
             if key in per_update[0]})
+        if gae:
+            metrics.update(explained_var=explained_variance(targets["returns"], targets["values"], mask))
         if self.last_sync is not None:  # rank 0
             metrics.update(sync_seconds=self.last_sync.seconds, sync_bytes=self.last_sync.nbytes)
             if not self.cfg.lora and self.backend.model_cfg.text.expert_format is not None:
@@ -498,7 +536,7 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
     saved = state["config"]
     same = {"model": Path(str(saved.get("model"))).resolve() == Path(cfg.model).resolve(),
             "lora": saved.get("lora", False) == cfg.lora, "task": saved.get("task") == cfg.task,
-            "task_args": saved.get("task_args") == cfg.task_args}
+            "task_args": saved.get("task_args") == cfg.task_args, "advantage": saved.get("advantage") == cfg.advantage}
     for key, ok in same.items():
         if not ok:
             raise ConfigError(f"{path} was written by a run with {key}: {saved.get(key)!r}; this run has {key}: "
