@@ -213,8 +213,15 @@ class K3Forward:
 
     def _routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
         """x: [N, L], ids/weights: [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x): [N, L] fp32
-        (`experts_combine`). Hook: an expert-parallel engine overrides this to run the experts it owns and exchange rows."""
+        (`experts_combine`, or the kernel set's grouped `experts` op on the stacked weights: the Triton set).
+        Hook: an expert-parallel engine overrides this to run the experts it owns and exchange rows."""
         e = range(self.cfg.num_experts or 0)
+        if self.k.experts is not None:
+            c = self.cfg
+            beta, linear_beta = (c.situ_beta or 1.0, c.situ_linear_beta) if c.hidden_act == "situ" else (1.0, None)
+            stacked = [self._stacked([self.weight(f"{p}.experts.{i}.{w}.weight") for i in e]) for w in ("w1", "w3", "w2")]
+            return self.k.experts(x, ids, weights, *stacked, "situ" if c.hidden_act == "situ" else "silu", beta,
+                                  linear_beta)
         return experts_combine(
             x, ids, weights,
             [self.weight(f"{p}.experts.{i}.w1.weight") for i in e],
@@ -222,6 +229,15 @@ class K3Forward:
             [self.weight(f"{p}.experts.{i}.w2.weight") for i in e],
             self.k.linear, self._act,
         )
+
+    @staticmethod
+    def _stacked(ws: list[torch.Tensor | MXFP4Weight]) -> torch.Tensor | MXFP4Weight:
+        """The experts' weights stacked for a grouped op: packed ones as one stacked `MXFP4Weight`; tensors stacked,
+        keeping their bf16-values mark (`parity.quant.bf16`) when every one carries it."""
+        if all(isinstance(w, MXFP4Weight) for w in ws):
+            return MXFP4Weight.stack(ws)
+        out = torch.stack(ws)
+        return mark_bf16_valued(out) if all(holds_bf16_values(w) for w in ws) else out
 
     def _kda(self, x: torch.Tensor, p: str, cache: KDACache, lens: torch.Tensor) -> torch.Tensor:
         """KDA layer on normalised input x: [B, T, D]; updates `cache` in place."""

@@ -29,7 +29,7 @@ from helpers import assert_bits
 from parity.kernels import FAST, INVARIANT, Kernels
 from parity.kernels.attention import gather_paged
 from parity.kernels.linear import LoRA
-from parity.kernels.moe import experts_combine
+from parity.kernels.moe import experts_combine, experts_stacked
 from parity.kernels.primitives import sigmoid
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
@@ -350,7 +350,8 @@ def test_kda_matches_float64_recurrence(p: Platform, lower_bound: float | None) 
 
 def test_gradients_are_the_invariant_backward_at_the_triton_forward(p: Platform) -> None:
     """With a gradient needed, a Triton op returns its own forward bits and the gradient the CPU invariant op's
-    backward gives at the same inputs (linear with LoRA, chunked KDA, attention): within fp32 round-off of the
+    backward gives at the same inputs (linear with LoRA, chunked KDA, attention, the grouped experts against
+    `experts_stacked`, routing weights included): within fp32 round-off of the
     invariant set's gradient (KDA's on CUDA from the chunked form, `kda_for_gradients`)."""
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(5, 40, generator=g), torch.randn(24, 40, generator=g)
@@ -358,12 +359,18 @@ def test_gradients_are_the_invariant_backward_at_the_triton_forward(p: Platform)
     q, k, v, gate, beta = _kda_inputs(2, 70, seed=3)
     qa, ka, va = (torch.randn(2, 30, 2, 16, generator=g) for _ in range(3))
     pos, lens = torch.arange(30).expand(2, 30), torch.tensor([30, 17])
+    xe, (w1, w3, w2) = torch.randn(9, 32, generator=g), _experts(8, 32, 24)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3].sort().values for _ in range(9)])
+    wts = torch.rand(9, 3, generator=g)
     cases = [
         ("linear", lambda kk, x, w, a, b: kk.linear(x, w, LoRA(a, b, 0.5)), (x, w, a, b)),
         ("kda", lambda kk, q, k, v, gate, beta: kk.kda(q, k, v, gate, beta, 0.25, torch.zeros_like(q[:, 0, :, :, None]
                                                                                      * v[:, 0, :, None, :]))[0],
          (q, k, v, gate, beta)),
         ("attention", lambda kk, q, k, v: kk.attention(q, k, v, pos.to(q.device), lens.to(q.device), 0.3), (qa, ka, va)),
+        ("experts", lambda kk, x, wt, w1, w3, w2: (kk.experts or experts_stacked)(x, ids.to(x.device), wt, w1, w3, w2,
+                                                                                 "situ", 4.0, 25.0),
+         (xe, wts, w1, w3, w2)),
     ]
     for name, op, inputs in cases:
         cot = torch.randn(op(INVARIANT, *inputs).shape, generator=g)

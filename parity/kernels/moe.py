@@ -15,7 +15,10 @@ from collections.abc import Callable
 
 import torch
 
+from parity.kernels.activations import silu_glu_invariant, situ_glu_invariant
+from parity.kernels.linear import linear_invariant
 from parity.kernels.primitives import sigmoid, tree_sum, wide
+from parity.quant.mxfp4 import MXFP4Weight
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,3 +82,20 @@ def experts_combine(
     for j in range(1, k):
         out = out + weights[:, j : j + 1] * y[:, j]
     return out
+
+
+def experts_stacked(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor | MXFP4Weight,
+                    w3: torch.Tensor | MXFP4Weight, w2: torch.Tensor | MXFP4Weight, act: str = "situ",
+                    beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+    """`experts_combine` on the invariant kernels over stacked experts (w1, w3: [E, I, L], w2: [E, L, I], or stacked
+    `MXFP4Weight`s), the activation named as the grouped Triton op (`parity.kernels.triton.moe.experts`) names it:
+    its torch reading, with the same signature (the Triton op's gradients come from this one)."""
+    def unstack(w: torch.Tensor | MXFP4Weight) -> list:
+        if isinstance(w, MXFP4Weight):
+            return [MXFP4Weight(p, s) for p, s in zip(w.packed, w.scale)]
+        return list(w.unbind(0))
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu_glu_invariant(gate, up) if act == "silu" else situ_glu_invariant(gate, up, beta, linear_beta)
+
+    return experts_combine(x, ids, weights, unstack(w1), unstack(w3), unstack(w2), linear_invariant, glu)

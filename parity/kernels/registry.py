@@ -37,6 +37,9 @@ class Kernels:
     attn_res_mix: Callable
     route: Callable
     token_logprobs: Callable
+    # Grouped experts over stacked weights (`parity.kernels.moe.experts_stacked`'s signature); None: the model runs
+    # `experts_combine`, one expert at a time, through `linear`.
+    experts: Callable | None = None
 
 
 INVARIANT = Kernels(

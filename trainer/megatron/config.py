@@ -35,6 +35,9 @@ class K3TransformerConfig(TransformerConfig):
         if self.kernels == "triton" and self.tensor_model_parallel_size > 1:
             raise ValueError("tensor parallelism on the triton kernels is not built: the Triton GEMM adds its own "
                              "fixed K segments, which a row-parallel split would have to follow; use tp = 1")
+        if self.kernels == "triton" and self.expert_model_parallel_size > 1:
+            raise ValueError("expert parallelism on the triton kernels is not built: the grouped expert op runs every "
+                             "expert of a layer in one call (and rounds its combined output once); use ep = 1")
 
 
 def k3_transformer_config(model_cfg: ModelConfig, par: ParallelContext, kernels: str = "invariant",

@@ -23,8 +23,9 @@ the CPU invariant set's op re-run on the saved inputs (torch code, on any device
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
   instead of a plain state tensor; it accepts either as `state` (a tensor means "at a chunk boundary").
-- `experts` (grouped expert GEMMs + combine on stacked expert weights) is an extra op here; the CPU
-  kernel set runs `parity.kernels.moe.experts_combine` over per-expert weight lists.
+- `experts` (grouped expert GEMMs + combine on stacked expert weights) is set here; the CPU kernel set has none
+  and the model runs `parity.kernels.moe.experts_combine` over per-expert weight lists (`experts_stacked` is that
+  over stacked weights: the gradient of this op and `DEVICE_INVARIANT`'s CPU side).
 
 `DEVICE_INVARIANT` is the invariant kernel set that runs these kernels on CUDA tensors and the CPU kernels
 on CPU tensors (chosen per call from the input's device; both are the invariant kernel set).
@@ -38,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from parity.kernels.kda import kda_for_gradients
+from parity.kernels.moe import experts_stacked
 from parity.kernels.registry import INVARIANT, Kernels
 from parity.kernels.triton import attention, attn_res, conv, kda, linear, moe, rowwise
 from parity.kernels.triton.attention import attention_paged
@@ -63,7 +65,7 @@ _TRITON_OPS = dict(
 )
 _GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients)  # the op each Triton op's gradient is taken from
 TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f)) for f, op in _TRITON_OPS.items()},
-                 token_logprobs=INVARIANT.token_logprobs)
+                 token_logprobs=INVARIANT.token_logprobs, experts=trainable(experts, experts_stacked))
 
 
 def _by_device(cpu: Callable, gpu: Callable) -> Callable:
@@ -74,9 +76,10 @@ def _by_device(cpu: Callable, gpu: Callable) -> Callable:
     return op
 
 
+_CPU_SIDE = dataclasses.replace(INVARIANT, experts=experts_stacked)  # the grouped op's CPU reading, as TRITON has one
 DEVICE_INVARIANT = Kernels(
     name="invariant",
-    **{f: _by_device(getattr(INVARIANT, f), getattr(TRITON, f)) for f in Kernels.__dataclass_fields__ if f != "name"},
+    **{f: _by_device(getattr(_CPU_SIDE, f), getattr(TRITON, f)) for f in Kernels.__dataclass_fields__ if f != "name"},
 )
 
 __all__ = ["TRITON", "DEVICE_INVARIANT", "KDAChunkState", "attention_paged", "experts"]
