@@ -219,7 +219,8 @@ class K3Forward:
         if self.k.experts is not None:
             c = self.cfg
             beta, linear_beta = (c.situ_beta or 1.0, c.situ_linear_beta) if c.hidden_act == "situ" else (1.0, None)
-            stacked = [self._stacked([self.weight(f"{p}.experts.{i}.{w}.weight") for i in e]) for w in ("w1", "w3", "w2")]
+            stacked = [self._stacked([self.weight(f"{p}.experts.{i}.{w}.weight") for i in e])
+                       for w in ("w1", "w3", "w2")]
             return self.k.experts(x, ids, weights, *stacked, "situ" if c.hidden_act == "situ" else "silu", beta,
                                   linear_beta)
         return experts_combine(

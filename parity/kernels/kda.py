@@ -221,7 +221,8 @@ def kda_chunked(
         O = scale (Q~ S0 + M U),                            M_ts = sum_c q_tc k_sc exp(G_tc - G_sc), s <= t
         S = exp(G_last) * S0 + (K * exp(G_last - G))^T U
     Padding runs as identity steps (g = 0, beta = 0; the output there is zeroed). Exact to round-off, not invariant:
-    the backward a GPU trainer takes (`kda_for_gradients`), a few batched GEMMs per chunk instead of a loop per token."""
+    the backward a GPU trainer takes (`kda_for_gradients`), a few batched GEMMs per chunk instead of a loop per
+    token."""
     out_dtype = v.dtype
     q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
     if valid is not None:

@@ -57,10 +57,10 @@ def _old_logprob_savings(steps: list[dict[str, float]]) -> str:
     total = sum(m["time_gen"] + m["time_ref"] + m["time_old_logprob"] + m["time_update"] + m["time_sync"] for m in steps)
     if not ran or not skipped:
         return f"old_logprobs: rollout: the old-log-prob pass ran on {len(ran)} of {len(steps)} steps"
-    per_pass = sum(m["time_old_logprob"] for m in ran) / len(ran)
-    return (f"old_logprobs: rollout: the old-log-prob pass ran on {len(ran)} of {len(steps)} steps ({per_pass:.2f} s "
-            f"each); skipping it saved about {per_pass * skipped:.1f} s, {per_pass * skipped / (total + per_pass * skipped):.0%} "
-            "of the step time recomputing every step would take")
+    saved = sum(m["time_old_logprob"] for m in ran) / len(ran) * skipped
+    return (f"old_logprobs: rollout: the old-log-prob pass ran on {len(ran)} of {len(steps)} steps ({saved / skipped:.2f} s "
+            f"each); skipping it saved about {saved:.1f} s, {saved / (total + saved):.0%} of the step time recomputing "
+            "every step would take")
 
 
 def _wandb_run(cfg: PPOConfig, out: Path):

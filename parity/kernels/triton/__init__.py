@@ -63,7 +63,7 @@ _TRITON_OPS = dict(
     attn_res_mix=attn_res.attn_res_mix,
     route=moe.route,
 )
-_GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients)  # the op each Triton op's gradient is taken from
+_GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients)  # where each Triton op's gradient comes from
 TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f)) for f, op in _TRITON_OPS.items()},
                  token_logprobs=INVARIANT.token_logprobs, experts=trainable(experts, experts_stacked))
 

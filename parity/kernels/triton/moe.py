@@ -195,7 +195,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
     out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n), e = ids[n, j], j = 0..k-1 in order.
     act: 'situ' (beta, linear_beta) or 'silu'. h = act(...) is stored in x's dtype, y in fp32."""
     packed = isinstance(w1, MXFP4Weight)
-    if not packed and x.dtype == torch.bfloat16:  # a trainer's stacked masters of bf16 values: the engine's bf16 weights
+    if not packed and x.dtype == torch.bfloat16:  # a trainer's stacked masters of bf16 values: the engine's weights
         w1, w3, w2 = (w.to(torch.bfloat16) if holds_bf16_values(w) else w for w in (w1, w3, w2))
     if packed:
         assert isinstance(w3, MXFP4Weight) and isinstance(w2, MXFP4Weight) and x.dtype == torch.bfloat16
