@@ -8,7 +8,8 @@ the reference's bit for bit. A run resumed from the reference's step-2 checkpoin
 the sync is rejected, the engine keeps its version, and the next step equals the reference's step 2 (so is a NaN in
 an MXFP4 expert's master, refused before anything is sent). With the fast
 kernels (fp32 k3-tiny, where a replayed schedule differs at a named block) the first step reports non-zero KL and a
-diagnosis naming the block, and the command exits 1. The resumed and fast-kernel
+diagnosis naming the block, and the command exits 1. GAE with a value head (configs/ppo-tiny-gae.yaml) keeps every
+log-prob bitwise and resumes bit for bit, head included. The resumed and fast-kernel
 commands run in this process (`zerokl.cli.main`; tests/test_cli.py runs the console script itself).
 """
 
