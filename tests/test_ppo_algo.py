@@ -60,7 +60,8 @@ def test_whiten_and_explained_variance_over_valid_tokens() -> None:
     returns = torch.tensor([[1.0, 2.0, 7.0], [3.0, 0.0, 7.0]])
     assert explained_variance(returns, returns, mask) == 1.0
     assert explained_variance(returns, torch.full_like(returns, 2.0), mask) == pytest.approx(0.0, abs=1e-6)
-    assert explained_variance(returns, torch.full_like(returns, 2.0) + (returns - 2.0) * 0.5, mask) == pytest.approx(0.75)
+    halfway = torch.full_like(returns, 2.0) + (returns - 2.0) * 0.5
+    assert explained_variance(returns, halfway, mask) == pytest.approx(0.75)
     assert explained_variance(torch.ones(2, 3), torch.zeros(2, 3), mask) == 0.0
 
 

@@ -1,6 +1,7 @@
 """The K3 trainer on Megatron-core, one process (TP = EP = 1, gloo world of one): checkpoint I/O, log-probs
 against the float64 reference (tolerance) and against the rollout decode schedule (bits), float64 gradient
-checks of every block, one Megatron optimizer step. TP = 2 and EP = 2 runs: tests/test_trainer_parallel.py."""
+checks of every block, one Megatron optimizer step, GAE's value head beside the log-probs. TP = 2 and EP = 2 runs:
+tests/test_trainer_parallel.py."""
 
 from __future__ import annotations
 
@@ -184,6 +185,26 @@ def test_one_optimizer_step_lowers_the_loss(par: ParallelContext, checkpoint: Pa
     moved = [n for n, p in trainer.module.official_parameters().items() if not torch.equal(p, before[n])]
     assert grad_norm > 0 and len(moved) > len(before) // 2
     assert after < loss, f"loss {loss:.5f} -> {after:.5f}"
+
+
+def test_value_head_leaves_logprobs_and_exports_alone_and_trains(par: ParallelContext, checkpoint: Path) -> None:
+    """GAE's value head: the log-probs keep every bit of a trainer without it, the head stays out of the official
+    parameters and the export, starts at 0 and learns in the trainer's optimizer step."""
+    plain = build_trainer(checkpoint, par, lr=1e-3)
+    critic = build_trainer(checkpoint, par, lr=1e-3, value_head=True)
+    batch = PaddedBatch.from_sequences(_seqs((12, 7), seed=5))
+    lp, values = critic.model(batch.input_ids, batch.lens, TEMPERATURE, values=True)
+    _assert_bits(lp, token_logprobs(plain.model, batch, TEMPERATURE), "with vs without a value head")
+    assert torch.equal(values, torch.zeros_like(values))
+    assert export_official(critic.module).keys() == export_official(plain.module).keys()
+    assert not any("value" in n for n in critic.module.official_parameters())
+
+    def to_one(model: torch.nn.Module) -> torch.Tensor:
+        return ((model(batch.input_ids, batch.lens, 1.0, values=True)[1] - 1) ** 2).mean()
+
+    train_step(critic, to_one)
+    assert critic.module.value_head.weight.abs().sum() > 0
+    assert critic.model(batch.input_ids, batch.lens, 1.0, values=True)[1].mean() > 0
 
 
 def _micro_config() -> ModelConfig:
