@@ -5,7 +5,7 @@ PPO configs (wrong types, non-finite or out-of-range values), `--prompts` files 
 non-integer ids, unknown keys, non-JSON and non-UTF-8 lines, prompts longer than the context), `parity diff` dumps
 (non-integer ids, log-probs that are strings, NaN or +inf, duplicate ids, non-UTF-8), checkpoints (a shard missing or
 truncated, index and shards that disagree, NaN or inf weights), and `--resume` (a run directory resumes from its
-latest complete checkpoint; a run with another model or LoRA setting is refused).
+latest complete checkpoint; a run with another model, LoRA or advantage setting is refused).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def test_resume_from_a_run_directory_takes_its_latest_complete_checkpoint(ppo_re
     assert resume_point(run / "checkpoints" / "step-2") == run / "checkpoints" / "step-2"
 
 
-@pytest.mark.parametrize(("key", "value"), [("lora", "true"), ("model", "configs/k3-small.yaml")])
+@pytest.mark.parametrize(("key", "value"), [("lora", "true"), ("model", "configs/k3-small.yaml"), ("advantage", "gae")])
 def test_resume_into_another_run_is_refused(key: str, value: str, ppo_reference: PPOReference, k3_tiny_mxfp4: Path,
                                             tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _ppo_config(tmp_path, k3_tiny_mxfp4, **{key: value})  # the reference run's checkpoint
