@@ -163,40 +163,22 @@ def test_minibatch_epochs_reference_kl_and_entropy_keep_zero_kl(k3_tiny_mxfp4: P
     assert "old_logprobs: rollout: the old-log-prob pass ran on 1 of 2 steps" in capsys.readouterr().out
 
 
-def test_gae_value_head_keeps_zero_kl_and_resumes_bitwise(k3_tiny: Path, tmp_path: Path) -> None:
+def test_gae_value_head_keeps_zero_kl(k3_tiny: Path, tmp_path: Path) -> None:
     """configs/ppo-tiny-gae.yaml (a value head trained with the policy, 2 epochs x 2 minibatches, old values from the
-    no-grad pass, KL penalty, entropy bonus) for 3 steps: zero KL and every log-prob bitwise equal at each step, the
-    value metrics reported; a run resumed from the checkpoint after step 1 equals it at step 2 and in its final
-    weights, the value head (never exported: no official weight carries it) included."""
-    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-gae.yaml"), model=str(k3_tiny), steps=3, wandb="disabled")
-
-    def steps(run: PPORun, n: int) -> list[dict]:
-        results = [run.run_step() for _ in range(n)]
-        assert all(r.diagnosis is None for r in results), [r.diagnosis for r in results]
-        return [r.metrics for r in results]
-
+    no-grad pass, KL penalty, entropy bonus) for 2 steps: zero KL and every log-prob bitwise equal at each step, the
+    value metrics reported, the head trained and never exported. (Its save and restore, Adam state included:
+    `tests/test_trainer_backend.py::test_value_head_state_round_trip_continues_bitwise`; the loop's resume of the rest:
+    `test_kill_and_resume_is_bitwise`.)"""
+    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-gae.yaml"), model=str(k3_tiny), steps=2, wandb="disabled")
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
     try:
-        metrics = steps(run, 2)
-        run.save_state(tmp_path / "run" / "step-2")
-        metrics += steps(run, 1)
-        run.save_state(tmp_path / "run" / "step-3")
+        results = [run.run_step() for _ in range(2)]
+        head = run.backend.trainer.module.value_head.weight.detach().clone()
+        exported = run.backend.export_official()
     finally:
         run.close()
-    for m in metrics:
+    assert all(r.diagnosis is None for r in results), [r.diagnosis for r in results]
+    for m in (r.metrics for r in results):
         assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
         assert m["value_loss"] > 0.0 and 0.0 <= m["vf_clipfrac"] <= 1.0 and m["explained_var"] <= 1.0, m
-    resumed = PPORun(cfg, tmp_path / "resumed", resume=tmp_path / "run" / "step-2", log=lambda _: None)
-    try:
-        again = steps(resumed, 1)
-        resumed.save_state(tmp_path / "resumed" / "step-3")
-    finally:
-        resumed.close()
-    assert _without_timings(again[0]) == _without_timings(metrics[2])
-    for name in ("weights.pt", "value_head.pt"):
-        got, want = (torch.load(d / "step-3" / name) for d in (tmp_path / "resumed", tmp_path / "run"))
-        if name == "weights.pt":
-            assert got.keys() == want.keys() and not any("value" in n for n in got)
-            assert all(torch.equal(got[n], want[n]) for n in want)
-        else:
-            assert got.shape == (1, 256) and got.abs().sum() > 0 and torch.equal(got, want)
+    assert head.abs().sum() > 0 and not any("value" in n for n in exported)

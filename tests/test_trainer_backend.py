@@ -152,6 +152,41 @@ def test_state_round_trip_continues_bitwise(name: str, zero_stage: int, lora: bo
     assert all(torch.equal(t, want[1][n]) for n, t in weights.items())
 
 
+def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_path: Path) -> None:
+    """With GAE's value head (`value_head=True`) and a loss that trains it: step 0, save_state, step 1 == a fresh
+    backend that loads the state and runs step 1, (loss, grad norm), the exported weights and the head bit for bit;
+    the head is in the state (value_head.pt), never in the export."""
+    from trainer.megatron.backend import VALUE_HEAD_FILE
+
+    def loss(step: int) -> Callable[[torch.nn.Module], torch.Tensor]:
+        g = torch.Generator().manual_seed(2000 + step)
+        batch = PaddedBatch.from_sequences([torch.randint(4, 1024, (9,), generator=g).tolist() for _ in range(3)])
+        target = torch.rand(3, 9, generator=g)
+        return lambda model: ((model(batch.input_ids, batch.lens, 1.0, values=True)[1] - target) ** 2).mean()
+
+    def run(backend: TrainerBackend) -> tuple[tuple[float, float], dict[str, torch.Tensor], torch.Tensor]:
+        step = backend.train_step(loss(1))
+        return step, backend.export_weights(), backend.trainer.module.value_head.weight.detach().clone()
+
+    backend = build_backend("megatron", checkpoint, lr=LR, value_head=True)
+    try:
+        backend.train_step(loss(0))
+        backend.save_state(tmp_path / "state")
+        want = run(backend)
+    finally:
+        backend.close()
+    assert (tmp_path / "state" / VALUE_HEAD_FILE).exists() and want[2].abs().sum() > 0
+    assert not any("value_head" in n for n in want[1])
+    resumed = build_backend("megatron", checkpoint, lr=LR, value_head=True)
+    try:
+        resumed.load_state(tmp_path / "state")
+        got = run(resumed)
+    finally:
+        resumed.close()
+    assert got[0] == want[0] and torch.equal(got[2], want[2])
+    assert got[1].keys() == want[1].keys() and all(torch.equal(t, want[1][n]) for n, t in got[1].items())
+
+
 def test_user_mistakes_are_config_errors(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="backend must be one of megatron, deepspeed"):
         build_backend("fsdp", checkpoint)

@@ -70,7 +70,9 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormali
 
 # --- grouped expert GEMMs -------------------------------------------------------------------------
 
-BLOCK_M = 64
+# Rows per expert tile. The interpreter computes every padded row, so it takes smaller tiles (a decode step routes
+# one row to an expert); parity is within one platform, and both sides of one run use the same tile.
+BLOCK_M = 16 if INTERPRET else 64
 
 
 def _tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
