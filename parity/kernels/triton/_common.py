@@ -144,3 +144,17 @@ def weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN: tl.constexpr, BK
         b = tl.load(w_ptr + rn[None, :] * swn + (k0 + rk)[:, None] * swk,
                     mask=(rn[None, :] < N) & (rk[:, None] + k0 < K), other=0.0)
     return b
+
+
+MAX_ROW = 65536
+
+
+def row_blocks(d: int) -> tuple[int, int, int]:
+    """(rows per program, block width, warps) for rows of length d; depends on d only, so a row's place in a
+    program, and its reduction tree, never depends on how many rows there are."""
+    bd = pow2(d)
+    if bd > MAX_ROW:
+        raise ValueError(f"row length {d} exceeds {MAX_ROW}")
+    rows = max(1, min(64, 4096 // bd))
+    warps = 4 if bd * rows <= 4096 else 8
+    return rows, bd, warps

@@ -1,12 +1,14 @@
 """MoE in Triton: router (noaux_tc top-k), grouped expert GEMMs with a fused SiTU/SiLU, fixed-order combine.
 
 Invariant:
-- routing is one program per token: k rounds of argmax over the biased scores with ties to the lowest
-  expert index (the CPU kernel's stable sort), ids returned ascending;
+- routing: a program holds a fixed number of tokens (a function of the expert count only), each token's row
+  laid out the same way; k rounds of argmax over the biased scores with ties to the lowest expert index (the CPU
+  kernel's stable sort), ids returned ascending;
 - expert compute sorts the (token, slot) pairs by expert (stable) and cuts each expert's rows into
   tiles of BLOCK_M rows padded with zeros; every tile is one fixed-shape GEMM, and rows of a tile are
   independent, so a row's result does not depend on which other tokens chose that expert;
-- combine adds a token's k expert outputs in ascending expert-id order: w_0 y_0 + w_1 y_1 + ...
+- combine adds a token's k expert outputs in ascending expert-id order: w_0 y_0 + w_1 y_1 + ... (element-wise,
+  so the tokens a program holds do not matter).
 """
 
 from __future__ import annotations
@@ -15,43 +17,48 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import (INTERPRET, check_dtype, dot_precision, mma, pow2, sigmoid_f32, tanh_f32,
-                                           weight_tile)
+from parity.kernels.triton._common import (INTERPRET, check_dtype, dot_precision, mma, pow2, row_blocks, sigmoid_f32,
+                                           tanh_f32, weight_tile)
 from parity.quant.bf16 import holds_bf16_values
 from parity.quant.mxfp4 import MXFP4Weight
 
 
 # --- routing --------------------------------------------------------------------------------------
 
-@triton.jit
-def _route_kernel(l_ptr, bias_ptr, ids_ptr, w_ptr, E, sl, scaling,
+@triton.jit(do_not_specialize=["N"])
+def _route_kernel(l_ptr, bias_ptr, ids_ptr, w_ptr, N, E, sl, scaling,
                   TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, RENORM: tl.constexpr,
-                  BE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+                  BR: tl.constexpr, BE: tl.constexpr):
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    rm = rows < N
     e = tl.arange(0, BE)
     em = e < E
-    logits = tl.load(l_ptr + row * sl + e, mask=em, other=float("-inf")).to(tl.float32)
+    logits = tl.load(l_ptr + rows[:, None] * sl + e[None, :], mask=rm[:, None] & em[None, :], other=0.0)
+    logits = tl.where(em[None, :], logits.to(tl.float32), float("-inf"))
     if SIGMOID:
         scores = sigmoid_f32(logits)
     else:
-        ex = tl.exp(logits - tl.max(logits, axis=0))
-        scores = ex / tl.sum(ex, axis=0)
+        ex = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        scores = ex / tl.sum(ex, axis=1)[:, None]
     biased = scores
     if HAS_BIAS:
-        biased = scores + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)
-    biased = tl.where(em, biased, float("-inf"))
-    chosen = e < 0
+        biased = scores + tl.load(bias_ptr + e, mask=em, other=0.0).to(tl.float32)[None, :]
+    biased = tl.where(em[None, :], biased, float("-inf"))
+    chosen = tl.zeros((BR, BE), dtype=tl.int1)
     for _ in tl.static_range(TOPK):
-        best = tl.argmax(biased, axis=0, tie_break_left=True)
-        chosen = chosen | (e == best)
-        biased = tl.where(e == best, float("-inf"), biased)
+        best = tl.argmax(biased, axis=1, tie_break_left=True)
+        hit = e[None, :] == best[:, None]
+        chosen = chosen | hit
+        biased = tl.where(hit, float("-inf"), biased)
     w = tl.where(chosen, scores, 0.0)
     if RENORM:
-        w = w / tl.sum(w, axis=0)
+        w = w / tl.sum(w, axis=1)[:, None]
     w = w * scaling
-    slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # ascending expert id -> slot 0..k-1
-    tl.store(ids_ptr + row * TOPK + slot, e.to(tl.int64), mask=chosen)
-    tl.store(w_ptr + row * TOPK + slot, w, mask=chosen)
+    slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1  # ascending expert id -> slot 0..k-1
+    out = rows[:, None] * TOPK + slot
+    keep = chosen & rm[:, None]
+    tl.store(ids_ptr + out, e[None, :].to(tl.int64), mask=keep)
+    tl.store(w_ptr + out, w, mask=keep)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scaling: float,
@@ -62,9 +69,11 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormali
     ids = torch.empty(n, top_k, dtype=torch.long, device=logits.device)
     w = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
     if n:
-        _route_kernel[(n,)](x, bias.contiguous() if bias is not None else x, ids, w, e, x.stride(0), float(scaling),
-                            TOPK=top_k, HAS_BIAS=bias is not None, SIGMOID=activation == "sigmoid",
-                            RENORM=renormalize, BE=pow2(e), num_warps=4)
+        br, be, warps = row_blocks(e)
+        _route_kernel[(triton.cdiv(n, br),)](x, bias.contiguous() if bias is not None else x, ids, w, n, e,
+                                            x.stride(0), float(scaling), TOPK=top_k, HAS_BIAS=bias is not None,
+                                            SIGMOID=activation == "sigmoid", RENORM=renormalize, BR=br, BE=be,
+                                            num_warps=warps)
     return ids, w
 
 
@@ -160,21 +169,22 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr
     tl.store(y_ptr + slot[:, None] * sy + rn[None, :], acc, mask=rmask[:, None] & (rn[None, :] < L))
 
 
-@triton.jit
-def _combine_kernel(y_ptr, w_ptr, out_ptr, L, TOPK, BL: tl.constexpr):
+@triton.jit(do_not_specialize=["N"])
+def _combine_kernel(y_ptr, w_ptr, out_ptr, N, L, TOPK, BR: tl.constexpr, BL: tl.constexpr):
     """out[n] = w[n,0] y[n,0] + w[n,1] y[n,1] + ... (slots in ascending expert id)."""
-    n = tl.program_id(0).to(tl.int64)
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    rm = rows < N
     cols = tl.program_id(1) * BL + tl.arange(0, BL)
-    cm = cols < L
-    out = tl.zeros((BL,), dtype=tl.float32)
+    mask = rm[:, None] & (cols < L)[None, :]
+    out = tl.zeros((BR, BL), dtype=tl.float32)
     for j in range(0, TOPK):
-        wj = tl.load(w_ptr + n * TOPK + j)
-        yj = tl.load(y_ptr + (n * TOPK + j) * L + cols, mask=cm, other=0.0)
+        wj = tl.load(w_ptr + rows * TOPK + j, mask=rm, other=0.0)[:, None]
+        yj = tl.load(y_ptr + (rows[:, None] * TOPK + j) * L + cols[None, :], mask=mask, other=0.0)
         if j == 0:
             out = wj * yj
         else:
             out = out + wj * yj
-    tl.store(out_ptr + n * L + cols, out.to(out_ptr.dtype.element_ty), mask=cm)
+    tl.store(out_ptr + rows[:, None] * L + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _operands(w: torch.Tensor | MXFP4Weight) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
@@ -227,5 +237,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
         h, w2, s2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), sw2_e, sw2_n, ss2_e, ss2_n, y.stride(0),
         BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, W_MXFP4=packed, num_warps=4, num_stages=3)
     bl = min(pow2(lat), 1024)
-    _combine_kernel[(n, triton.cdiv(lat, bl))](y, weights.contiguous(), out, lat, k, BL=bl, num_warps=4)
+    br = max(1, min(64, 4096 // bl))
+    _combine_kernel[(triton.cdiv(n, br), triton.cdiv(lat, bl))](y, weights.contiguous(), out, n, lat, k, BR=br, BL=bl,
+                                                                 num_warps=4)
     return out

@@ -14,20 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import check_dtype, check_weights, pow2, sigmoid_f32, softplus_f32, tanh_f32
+from parity.kernels.triton._common import (check_dtype, check_weights, pow2, row_blocks, sigmoid_f32, softplus_f32,
+                                           tanh_f32)
 
 ELEM_BLOCK = 1024
-MAX_ROW = 65536
-
-
-def _row_blocks(d: int) -> tuple[int, int, int]:
-    """(rows per program, block width, warps) for rows of length d; depends on d only."""
-    bd = pow2(d)
-    if bd > MAX_ROW:
-        raise ValueError(f"row length {d} exceeds {MAX_ROW}")
-    rows = max(1, min(64, 4096 // bd))
-    warps = 4 if bd * rows <= 4096 else 8
-    return rows, bd, warps
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -69,7 +59,7 @@ def _norm(x: torch.Tensor, gate: torch.Tensor | None, w: torch.Tensor | None, ep
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     m = x2.shape[0]
     if m:
-        br, bd, warps = _row_blocks(d)
+        br, bd, warps = row_blocks(d)
         _norm_kernel[(triton.cdiv(m, br),)](x2, g2, w if w is not None else x2, y, m, d, x2.stride(0), g2.stride(0),
                                            y.stride(0), float(eps), KIND=kind, HAS_W=w is not None, BR=br, BD=bd,
                                            num_warps=warps)
