@@ -2,8 +2,8 @@
 
 One 20-step run: KL exactly 0 and every log-prob bitwise equal at every step, the reward rises, each step's
 adapter sync is a small fraction of the full-weight sync it is reported next to, the base weights never move;
-then a resume from the step-18 checkpoint reproduces steps 18-19 (two Adam updates from the restored state) and the
-final adapter bit for bit.
+then a resume from the step-19 checkpoint reproduces step 19 (an Adam update from the restored moments and step count)
+and the final adapter bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from zerokl.ppo.loop import TIMING_KEYS, PPORun
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 STEPS = 20
-RESUME_AT = 18  # late: the resume replays only what it must to prove the state complete (two optimizer steps)
+RESUME_AT = 19  # late: the resume replays only what it must to prove the state complete (one optimizer step)
 REPO = Path(__file__).resolve().parents[1]
 
 

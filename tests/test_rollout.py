@@ -135,7 +135,7 @@ def test_same_bits_alone(engine: RolloutEngine, reference: list[list[Sample]]) -
 
 def test_one_sequence_at_a_time_with_odd_prefill_chunks(checkpoint: Path, reference: list[list[Sample]]) -> None:
     """max_num_seqs 1 (reference: 16) and 13-token prefill chunks, prefix caching off (no state snapshots)."""
-    idx = [0, 3, LONG[1], LONG[2]]
+    idx = [0, LONG[1]]
     with RolloutEngine(checkpoint, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=13,
                        enable_prefix_caching=False) as eng:
         got = _generate_subset(eng, idx)
