@@ -63,6 +63,8 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"old_logprobs": "rollout"}, "with ppo_epochs x num_minibatches = 1 the update's own forward is the check"),
     ({"parity_check_every": "3"}, "parity_check_every is only read with old_logprobs: rollout"),
     ({"num_minibatches": "64"}, "num_minibatches = 64 is more than the 32 samples of a step"),
+    ({"micro_batch_size": "32"}, "micro_batch_size must be >= 1 and less than the 32 samples of the smallest minibatch"),
+    ({"num_minibatches": "3", "micro_batch_size": "0"}, "micro_batch_size must be >= 1 and less than the 10 samples"),
     ({"ppo_epochs": "0"}, "ppo_epochs must be >= 1, got 0"),
     ({"model": "5"}, "model must be a model config or checkpoint path"),
     ({"gamma": "0.99"}, "gamma is only read with advantage: gae"),
@@ -75,6 +77,11 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"advantage": "gae", "lora": "true"}, "advantage 'gae' trains the value head with the trunk, which lora freezes"),
     ({"advantage": "gae", "ppo_epochs": "2", "old_logprobs": "rollout"}, "old_logprobs 'rollout' skips"),
     ({"advantage": "gae", "normalize_adv_std": "true"}, "normalize_adv_std is GRPO's"),
+    ({"zero_stage": "2"}, "zero_stage is only read with backend: deepspeed, not 'megatron'"),
+    ({"lora_rank": "4"}, "lora_rank is only read with lora: true"),
+    ({"lora_targets": "[q_proj]"}, "lora_targets is only read with lora: true"),
+    ({"lora": "true", "lora_init": "configs", "lora_alpha": "8"}, "lora_alpha is not read with lora_init"),
+    ({"lora": "true", "lora_rank": "0"}, "lora_rank must be >= 1, got 0"),
 ])
 def test_ppo_config_values_are_checked(keys: dict[str, str], says: str, k3_tiny: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -129,6 +136,11 @@ def test_check_arguments_are_checked(argv: list[str], k3_tiny: Path) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["parity", "check", "--model", str(k3_tiny), *argv])
     assert exit_.value.code == 2
+
+
+def test_zero_stage_without_deepspeed_is_refused(k3_tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _user_error(["parity", "check", "--model", str(k3_tiny), "--zero-stage", "2"], capsys,
+                "--zero-stage is only read with --backend deepspeed, not megatron")
 
 
 @pytest.mark.parametrize(("line", "says"), [

@@ -3,7 +3,7 @@
 The session's reference run (`ppo_reference`, in-process, 24 steps of configs/ppo-tiny-mxfp4.yaml: bf16, MXFP4
 experts with a quantisation-aware trainer, FP8 latents) pins: KL exactly 0 and
 every log-prob bitwise equal at every step, policy versions in lock-step, a rising reward. A run of the command in
-its own process is killed after its step-2 checkpoint and resumed (`--resume`): its metrics and final weights equal
+its own process is killed after its step-1 checkpoint and resumed (`--resume`): its metrics and final weights equal
 the reference's bit for bit. A run resumed from the reference's step-2 checkpoint gets a tensor corrupted in flight:
 the sync is rejected, the engine keeps its version, and the next step equals the reference's step 2 (so is a NaN in
 an MXFP4 expert's master, refused before anything is sent). With the fast
@@ -60,26 +60,26 @@ def test_reward_rises(ppo_reference: PPOReference) -> None:
 def test_kill_and_resume_is_bitwise(ppo_reference: PPOReference, k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
-    cfg = ppo_config_file(out, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=4)
+    cfg = ppo_config_file(out, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=2, checkpoint_every=1)
     proc = subprocess.Popen([str(Path(sys.executable).with_name("zerokl")), "ppo", "--config", str(cfg), "--out",
                              str(out)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
         deadline = time.time() + 400
-        while not (out / "checkpoints" / "step-2").exists():
-            assert proc.poll() is None or (out / "checkpoints" / "step-2").exists(), "run died before step 2"
-            assert time.time() < deadline, "no step-2 checkpoint in time"
+        while not (out / "checkpoints" / "step-1").exists():
+            assert proc.poll() is None or (out / "checkpoints" / "step-1").exists(), "run died before step 1"
+            assert time.time() < deadline, "no step-1 checkpoint in time"
             time.sleep(0.5)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the kill: no clean shutdown, no final checkpoint
         proc.wait()
-    assert main(["ppo", "--config", str(cfg), "--out", str(out), "--resume", str(out / "checkpoints" / "step-2")]) == 0
+    assert main(["ppo", "--config", str(cfg), "--out", str(out), "--resume", str(out / "checkpoints" / "step-1")]) == 0
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    for got, want in zip(lines, ppo_reference.metrics[:4]):
+    assert [m["step"] for m in lines] == [0, 1]
+    for got, want in zip(lines, ppo_reference.metrics[:2]):
         assert _without_timings(got) == _without_timings(want)
-    final = torch.load(out / "checkpoints" / "step-4" / "weights.pt")
-    ref = torch.load(ppo_reference.out / "checkpoints" / "step-4" / "weights.pt")
+    final = torch.load(out / "checkpoints" / "step-2" / "weights.pt")
+    ref = torch.load(ppo_reference.out / "checkpoints" / "step-2" / "weights.pt")
     assert final.keys() == ref.keys()
     assert all(torch.equal(final[n], ref[n]) for n in ref)
 
@@ -142,14 +142,16 @@ def test_fast_kernels_break_the_check(k3_tiny: Path, tmp_path: Path, capsys: pyt
 
 def test_minibatch_epochs_reference_kl_and_entropy_keep_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    """`ppo_epochs: 2, num_minibatches: 2` (four optimizer steps per PPO step) with a k3 KL penalty to the starting
-    weights and an entropy bonus, `old_logprobs: rollout` with the full recompute every 2 steps: step 0 checks every
-    sample before any update, step 1 the first minibatch's (its forward is at the generating version), bitwise
-    both; the later minibatches are off-policy (`ppo_kl` != 0, `clipfrac` reported), the policy leaves the reference
-    (`kl_ref` > 0 once updated), `entropy` is reported and the saved time is printed. (The shuffle is seeded by the
+    """`ppo_epochs: 2, num_minibatches: 2` (four optimizer steps per PPO step), each minibatch of 16 samples in passes
+    of 6, 6 and 4 (`micro_batch_size: 6`), with a k3 KL penalty to the starting weights and an entropy bonus,
+    `old_logprobs: rollout` with the full recompute every 2 steps: step 0 checks every sample before any update,
+    step 1 the first minibatch's (its three passes run at the generating version), bitwise both; the later
+    minibatches are off-policy (`ppo_kl` != 0, `clipfrac` reported), the policy leaves the reference (`kl_ref` > 0
+    once updated), `entropy` is reported and the saved time is printed. (The shuffle is seeded by the
     step, so resume needs nothing new: `test_kill_and_resume_is_bitwise`.)"""
     cfg = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=2)
-    cfg.write_text(cfg.read_text() + "ppo_epochs: 2\nnum_minibatches: 2\nkl_coef: 0.05\nkl_estimator: k3\n"
+    cfg.write_text(cfg.read_text() + "ppo_epochs: 2\nnum_minibatches: 2\nmicro_batch_size: 6\nkl_coef: 0.05\n"
+                   "kl_estimator: k3\n"
                    "entropy_coef: 0.01\nold_logprobs: rollout\nparity_check_every: 2\n")
     assert main(["ppo", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 0
     metrics = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -63,7 +63,8 @@ def _seqs() -> list[list[int]]:
 
 
 def _run(backend: TrainerBackend, steps: range) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
-    history = [backend.train_step(_pg_loss(step)) for step in steps]
+    """`steps` optimizer steps, each accumulating two micro-batches' gradients."""
+    history = [backend.train_step(_pg_loss(step), _pg_loss(100 + step)) for step in steps]
     return history, backend.export_weights()
 
 
@@ -96,7 +97,8 @@ def test_lora_backends_equal_the_shared_forward_and_each_other(
         checkpoint: Path, adapter_dir: Path, official: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
     """With the same adapter (a directory for Megatron, an `Adapter` for DeepSpeed ZeRO-3): log-probs = `K3Forward`
     with `K3Weights.lora` from `lora.adapter.load_lora` on both (torch.equal); `export_weights` is the adapter's PEFT
-    tensors; two steps give the same (loss, grad norm) and adapter tensors bit for bit; the base stays frozen."""
+    tensors; two steps, each accumulating two micro-batches, give the same (loss, grad norm) and adapter tensors bit for
+    bit; the base stays frozen."""
     cfg, weights = official
     seqs = _seqs()
     with_lora = K3Weights.from_official(cfg.text, weights)

@@ -154,21 +154,21 @@ def test_export_round_trips_the_checkpoint(zero3: DeepSpeedTrainer, checkpoint: 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_steps_equal_the_megatron_trainer_bitwise(zero_stage: int, checkpoint: Path) -> None:
-    """Three clipped Adam steps (grad norms >> 1, weight decay on) from the same checkpoint and batches: every
-    loss, grad norm and fp32 master weight equals the Megatron trainer's bit for bit; the first step lowers the
-    loss of its batch."""
+    """Three clipped Adam steps (grad norms >> 1, weight decay on; the third accumulates two micro-batches) from the
+    same checkpoint and batches: every loss, grad norm and fp32 master weight equals the Megatron trainer's bit for
+    bit; the first step lowers the loss of its batch."""
     from trainer.megatron.parallel import destroy_parallel, init_parallel
     from trainer.megatron.train import build_trainer
     from trainer.megatron.train import train_step as megatron_step
 
     par = init_parallel()
     megatron = build_trainer(checkpoint, par, lr=LR, weight_decay=0.01)
-    want = [megatron_step(megatron, _pg_loss(step)) for step in range(3)]
+    want = [megatron_step(megatron, *map(_pg_loss, micro)) for micro in ((0,), (1,), (2, 3))]
     want_masters = {n: p.detach().clone() for n, p in megatron.module.official_parameters().items()}
     destroy_parallel(par)
     trainer = build_deepspeed_trainer(checkpoint, lr=LR, zero_stage=zero_stage, weight_decay=0.01,
                                       persistence_threshold=0)
-    got = [train_step(trainer, _pg_loss(step)) for step in range(3)]
+    got = [train_step(trainer, *map(_pg_loss, micro)) for micro in ((0,), (1,), (2, 3))]
     masters = _masters(trainer)
     with torch.no_grad():
         first_after = float(_pg_loss(0)(trainer.model))

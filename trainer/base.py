@@ -66,9 +66,10 @@ class TrainerBackend(ABC):
             return self.model(batch.input_ids, batch.lens, temperature, values=True)
 
     @abstractmethod
-    def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
-        """loss = loss_fn(model), backward, Megatron's grad-norm clipping, one optimizer step; returns
-        (loss, grad norm before clipping), the same on every rank."""
+    def train_step(self, *loss_fns: LossFn) -> tuple[float, float]:
+        """One optimizer step on the gradients of every `loss_fn(model)`, backward run after each in order and the
+        gradients summed (gradient accumulation: one loss_fn per micro-batch), Megatron's grad-norm clipping; returns
+        (the losses' sum, grad norm before clipping), the same on every rank."""
 
     @abstractmethod
     def export_official(self) -> dict[str, torch.Tensor]:

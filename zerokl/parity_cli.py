@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from parity.compare import ParityReport, compare, format_report, load_dump
+from parity.config import ConfigError
 from zerokl.argtypes import kernel_set, positive_int, temperature
 from parity.report import write_html
 
@@ -41,8 +42,15 @@ def _run_diff(args: argparse.Namespace) -> int:
 def _checker(args: argparse.Namespace, lora: str | None = None):
     from zerokl.engine_check import Checker
 
-    return Checker(args.model, kernels=args.kernels, lora=lora, backend=args.backend, zero_stage=args.zero_stage,
+    return Checker(args.model, kernels=args.kernels, lora=lora, backend=args.backend, zero_stage=_zero_stage(args),
                    tp=getattr(args, "tp", 1))
+
+
+def _zero_stage(args: argparse.Namespace) -> int:
+    """--zero-stage (default 3) with --backend deepspeed; refused with another backend, which would ignore it."""
+    if args.backend != "deepspeed" and args.zero_stage is not None:
+        raise ConfigError(f"--zero-stage is only read with --backend deepspeed, not {args.backend}")
+    return 3 if args.zero_stage is None else args.zero_stage
 
 
 def _prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -62,6 +70,7 @@ def _prompts(args: argparse.Namespace) -> list[list[int]]:
 
 
 def _run_check(args: argparse.Namespace) -> int:
+    _zero_stage(args)
     prompts = _prompts(args)
     checker = _checker(args, args.lora)
     try:
@@ -74,7 +83,7 @@ def _run_check(args: argparse.Namespace) -> int:
         diagnosis = (diagnosis + "; " if diagnosis else "") + \
             f"{res.mix_mismatch} sequences differ between batched and alone rollouts"
     lora = f", LoRA {args.lora}" if args.lora else ""
-    trainer = f"trainer deepspeed ZeRO-{args.zero_stage}, " if args.backend == "deepspeed" else ""
+    trainer = f"trainer deepspeed ZeRO-{_zero_stage(args)}, " if args.backend == "deepspeed" else ""
     trainer += f"trainer TP = {args.tp}, " if args.tp > 1 else ""
     title = f"parity check {args.model}{lora} ({trainer}kernels {args.kernels}, batch mix {args.batch_mix})"
     rc = _emit(res.report, args, res.rollout, res.trainer, title, diagnosis)
@@ -126,7 +135,7 @@ def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: in
                    help="invariant (default), triton (the Triton kernels on both sides: CUDA, or TRITON_INTERPRET=1 "
                         "on CPU), or fast: both sides on plain torch ops (the mismatch zerokl removes)")
     p.add_argument("--backend", choices=("megatron", "deepspeed"), default="megatron", help="the trainer that scores")
-    p.add_argument("--zero-stage", type=int, choices=(2, 3), default=3, help="DeepSpeed ZeRO stage")
+    p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default 3; deepspeed only)")
     p.add_argument("--json", help="write the results here")
 
 

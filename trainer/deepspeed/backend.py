@@ -33,8 +33,8 @@ class DeepSpeedBackend(TrainerBackend):
         self.model_cfg = self.trainer.model_cfg
         self.has_adapter = adapter is not None
 
-    def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
-        return train_step(self.trainer, loss_fn)
+    def train_step(self, *loss_fns: LossFn) -> tuple[float, float]:
+        return train_step(self.trainer, *loss_fns)
 
     def export_official(self) -> dict[str, torch.Tensor]:
         return export_official(self.trainer, compute_dtype=True)

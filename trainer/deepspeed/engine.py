@@ -115,16 +115,22 @@ def build_deepspeed_trainer(checkpoint: str | Path, lr: float, zero_stage: int =
     return DeepSpeedTrainer(engine, module, peft, model_cfg, clip_grad, storage_dtypes, passthrough, order, owns)
 
 
-def train_step(trainer: DeepSpeedTrainer, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[float, float]:
-    """loss = loss_fn(trainer.model), DeepSpeed backward (gradients averaged over data-parallel ranks), Megatron's
-    grad norm and clipping (`trainer.deepspeed.clip`), optimizer step (DeepSpeed zeroes the gradients).
+def train_step(trainer: DeepSpeedTrainer, *loss_fns: Callable[[Any], torch.Tensor]) -> tuple[float, float]:
+    """For each loss_fn in order (micro-batches) loss = loss_fn(trainer.model) and DeepSpeed's backward, the
+    gradients accumulating (the last backward is the accumulation boundary: gradients averaged over data-parallel
+    ranks), Megatron's grad norm and clipping (`trainer.deepspeed.clip`), optimizer step (DeepSpeed zeroes the
+    gradients).
 
-    Returns (loss, grad norm before clipping). Collective."""
-    loss = loss_fn(trainer.engine)
-    trainer.engine.backward(loss)
+    Returns (the losses' sum, grad norm before clipping). Collective."""
+    total = 0.0
+    for i, loss_fn in enumerate(loss_fns):
+        trainer.engine.set_gradient_accumulation_boundary(i == len(loss_fns) - 1)
+        loss = loss_fn(trainer.engine)
+        trainer.engine.backward(loss)
+        total += float(loss.detach())
     grad_norm = clip_grads(trainer.norm_order, trainer.clip_grad)
     trainer.engine.step()
-    return float(loss.detach()), grad_norm
+    return total, grad_norm
 
 
 def destroy_dist() -> None:

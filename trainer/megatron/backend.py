@@ -37,8 +37,8 @@ class MegatronBackend(TrainerBackend):
         self.model_cfg = self.trainer.module.config.k3
         self.has_adapter = adapter is not None
 
-    def train_step(self, loss_fn: LossFn) -> tuple[float, float]:
-        return train_step(self.trainer, loss_fn)
+    def train_step(self, *loss_fns: LossFn) -> tuple[float, float]:
+        return train_step(self.trainer, *loss_fns)
 
     def export_official(self) -> dict[str, torch.Tensor]:
         return export_official(self.trainer.module, compute_dtype=True)

@@ -70,16 +70,20 @@ def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_deca
     return Trainer(ddp, module, get_megatron_optimizer(opt_cfg, [ddp]))
 
 
-def train_step(trainer: Trainer, loss_fn: Callable[[DistributedDataParallel], torch.Tensor]) -> tuple[float, float]:
-    """Zero grads, loss = loss_fn(model), backward, Megatron's grad finalisation (DP all-reduce), optimizer step.
+def train_step(trainer: Trainer, *loss_fns: Callable[[DistributedDataParallel], torch.Tensor]) -> tuple[float, float]:
+    """Zero grads; for each loss_fn in order (micro-batches) loss = loss_fn(model) and its backward, the gradients
+    adding up in the DDP buffers; Megatron's grad finalisation (DP all-reduce), optimizer step.
 
-    Returns (loss, grad norm before clipping)."""
+    Returns (the losses' sum, grad norm before clipping)."""
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    loss = loss_fn(trainer.model)
-    loss.backward()
+    total = 0.0
+    for loss_fn in loss_fns:
+        loss = loss_fn(trainer.model)
+        loss.backward()
+        total += float(loss.detach())
     finalize_model_grads([trainer.model])
     ok, grad_norm, _ = trainer.optimizer.step()
     if not ok:
         raise RuntimeError("Megatron optimizer step reported failure")
-    return float(loss.detach()), float(grad_norm)
+    return total, float(grad_norm)

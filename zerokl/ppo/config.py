@@ -19,6 +19,9 @@ from zerokl.ppo.algo import KL_ESTIMATORS
 
 
 GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2}  # the keys only advantage: gae reads
+LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0}  # with lora: true and no lora_init (PEFT's init)
+ZERO_STAGE_DEFAULT = 3  # with backend: deepspeed
+LORA_INIT_KEYS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter from lora_init brings itself
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class PPOConfig:
     clip: float = 0.2
     ppo_epochs: int = 1  # passes over each step's samples
     num_minibatches: int = 1  # optimizer steps per pass (the samples shuffled, then split)
+    micro_batch_size: int | None = None  # samples per forward/backward within a minibatch (gradient accumulation)
     old_logprobs: str = "recompute"  # recompute: a no-grad pass before the updates; rollout: the engine's (bitwise)
     parity_check_every: int = 1  # with old_logprobs: rollout, the full recompute (zero-KL check) every N steps
     kl_coef: float = 0.0  # > 0: a KL penalty to the reference policy in the loss
@@ -57,10 +61,10 @@ class PPOConfig:
     checkpoint_every: int = 25
     wandb: str = "offline"
     backend: str = "megatron"  # trainer backend (trainer.backend): megatron (one process) or deepspeed
-    zero_stage: int = 3  # DeepSpeed ZeRO stage, 2 or 3
+    zero_stage: int | None = None  # backend: deepspeed only; its ZeRO stage, 2 or 3 (ZERO_STAGE_DEFAULT)
     lora: bool = False  # train only a LoRA adapter (base frozen) and sync only the adapter
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
+    lora_rank: int | None = None  # lora only (LORA_DEFAULTS)
+    lora_alpha: float | None = None  # lora only (LORA_DEFAULTS)
     lora_targets: list[str] | None = None  # target_modules suffixes; None: every supported projection
     lora_init: str | None = None  # start from this PEFT adapter directory instead of PEFT's init (B = 0)
 
@@ -97,10 +101,17 @@ class PPOConfig:
         _choice("sync", self.sync, ("shared_memory", "disk"))
         _choice("wandb", self.wandb, ("offline", "online", "disabled"))
         _choice("backend", self.backend, BACKENDS)
-        if self.zero_stage not in ZERO_STAGES:
-            raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
-                              f"got {self.zero_stage!r}")
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every", "lora_rank",
+        if self.backend == "deepspeed":
+            if self.zero_stage is None:
+                object.__setattr__(self, "zero_stage", ZERO_STAGE_DEFAULT)
+            if self.zero_stage not in ZERO_STAGES:
+                raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
+                                  f"got {self.zero_stage!r}")
+        elif self.zero_stage is not None:
+            raise ConfigError(f"ppo config: zero_stage is only read with backend: deepspeed, not {self.backend!r}; "
+                              "drop zero_stage or set backend: deepspeed")
+        self._check_lora_keys()
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every",
                      "ppo_epochs", "num_minibatches", "parity_check_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
@@ -108,9 +119,15 @@ class PPOConfig:
             raise ConfigError(f"ppo config: num_minibatches = {self.num_minibatches} is more than the "
                               f"{self.prompts_per_step * self.samples_per_prompt} samples of a step "
                               "(prompts_per_step x samples_per_prompt)")
+        if self.micro_batch_size is not None:
+            smallest = self.prompts_per_step * self.samples_per_prompt // self.num_minibatches
+            if not 1 <= self.micro_batch_size < smallest:
+                raise ConfigError(f"ppo config: micro_batch_size must be >= 1 and less than the {smallest} samples of "
+                                  f"the smallest minibatch (prompts_per_step x samples_per_prompt / num_minibatches), "
+                                  f"got {self.micro_batch_size}; drop it to run each minibatch in one pass")
         if self.samples_per_prompt < 2 and self.advantage == "grpo":
             raise ConfigError("ppo config: samples_per_prompt must be >= 2 for the GRPO group baseline")
-        for name in ("temperature", "lr", "clip", "grad_clip", "lora_alpha"):
+        for name in ("temperature", "lr", "clip", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ppo config: {name} must be > 0, got {getattr(self, name)}")
         for name in ("kl_coef", "entropy_coef", "seed"):
@@ -123,6 +140,28 @@ class PPOConfig:
                 if getattr(self, name) is not None:
                     raise ConfigError(f"ppo config: {name} is only read with advantage: gae (the value head); "
                                       f"drop {name} or set advantage: gae")
+
+    def _check_lora_keys(self) -> None:
+        """The adapter keys: refused without lora, and (but lora_init) with lora_init, whose adapter brings its own;
+        else LORA_DEFAULTS fill the keys not given; values in range."""
+        given = [k for k in (*LORA_INIT_KEYS, "lora_init") if getattr(self, k) is not None]
+        if not self.lora and given:
+            raise ConfigError(f"ppo config: {given[0]} is only read with lora: true; drop {given[0]} or set lora: true")
+        if self.lora_init is not None:
+            given = [k for k in LORA_INIT_KEYS if getattr(self, k) is not None]
+            if given:
+                raise ConfigError(f"ppo config: {given[0]} is not read with lora_init: the adapter in "
+                                  f"{self.lora_init!r} brings its own rank, alpha and targets; drop {given[0]}")
+            return
+        if not self.lora:
+            return
+        for name, default in LORA_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if self.lora_rank < 1:
+            raise ConfigError(f"ppo config: lora_rank must be >= 1, got {self.lora_rank}")
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"ppo config: lora_alpha must be > 0, got {self.lora_alpha}")
 
     def _check_gae(self) -> None:
         """advantage: gae: GAE_DEFAULTS fill the keys not given; values in range; what the value head runs with."""

@@ -11,6 +11,10 @@ the update's own forward; with `ppo_epochs` x `num_minibatches` > 1 it is a no-g
 takes one clipped-surrogate optimizer step per minibatch, old log-probs being the rollout's (the check proved them
 the trainer's). Later minibatches are off-policy by design: `ppo_kl` (mean old - new log-prob over the updates'
 tokens) and `clipfrac` say how far. Then a versioned, checksummed weight sync.
+`micro_batch_size` splits each minibatch into forward/backward passes of that many samples whose gradients add up
+(each pass's loss weighted by its share of the minibatch's tokens) before the one optimizer step; every pass of the
+first update runs at the generating version, so their log-probs together are its check (GAE, whose whitened
+advantages need every old value first, then takes the no-grad pass).
 
 Old log-probs are always the rollout's (the check proves them the trainer's). `old_logprobs: rollout` skips the
 no-grad pass except every `parity_check_every` steps; on the other steps the check covers the rows of the first
@@ -302,7 +306,7 @@ class PPORun:
         ref = self.backend.broadcast(self._reference_logprobs(batch, index) if self.rank0 else None)
         t_ref = time.perf_counter() - t_ref
         report: dict[str, Any] = {}
-        per_update: list[dict[str, float]] = []
+        per_update: list[tuple[float, dict[str, float]]] = []  # (token share in its minibatch, stats) per pass
         # "adv" [N] (GRPO) or [N, T]; with GAE also "returns" and "values" [N, T], at the generating version
         targets: dict[str, torch.Tensor] = {} if gae else {
             "adv": grpo_advantages(rewards, cfg.samples_per_prompt, cfg.normalize_adv_std)}
@@ -327,18 +331,28 @@ class PPORun:
             adv, returns = gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
             targets.update(adv=masked_whiten(adv, mask), returns=returns, values=values)
 
-        def loss_for(rows: torch.Tensor) -> Callable[[torch.nn.Module], torch.Tensor]:
-            """The clipped surrogate on the samples `rows` (+ `vf_coef` x the clipped value loss with GAE); old
-            log-probs are the rollout's (bitwise the trainer's at the generating version, which `check`
-            establishes)."""
+        def micro_batches(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            """A minibatch's rows as its forward/backward passes (`micro_batch_size` rows each, or one pass)."""
+            return rows.split(cfg.micro_batch_size) if cfg.micro_batch_size else (rows,)
+
+        first_update: list[tuple[torch.Tensor, torch.Tensor]] = []  # its (log-probs, rows) per pass, until all are in
+
+        def loss_for(rows: torch.Tensor, minibatch: torch.Tensor) -> Callable[[torch.nn.Module], torch.Tensor]:
+            """The clipped surrogate on the samples `rows` (+ `vf_coef` x the clipped value loss with GAE), one pass of
+            `minibatch`, weighted by its share of the minibatch's tokens (the passes' gradients add up to the
+            minibatch's token mean); old log-probs are the rollout's (bitwise the trainer's at the generating version,
+            which `check` establishes)."""
             sub = PaddedBatch(batch.input_ids[rows], batch.lens[rows])
+            share = mask[rows].sum() / mask[minibatch].sum().clamp(min=1)
 
             def loss_fn(model: torch.nn.Module) -> torch.Tensor:
                 forward = token_logprobs_entropy_and_values if gae else token_logprobs_and_entropy
                 lp, ent, *value = (x.gather(1, index[rows]) for x in forward(model, sub, cfg.temperature))
-                if "parity" not in report:  # the step's first update runs at the generating version: its rows' check
-                    check(lp, rows)
-                if "adv" not in targets:  # GAE, one update: its forward (every sample) is at the generating version
+                if "parity" not in report:  # the step's first update runs at the generating version: its rows' check,
+                    first_update.append((lp.detach(), rows))  # once its last pass is in, before its optimizer step
+                    if sum(len(r) for _, r in first_update) == len(minibatch):
+                        check(torch.cat([x for x, _ in first_update]), torch.cat([r for _, r in first_update]))
+                if "adv" not in targets:  # GAE, one update in one pass: its forward (every sample) is at the generating version
                     set_gae_targets(value[0])
                 loss, stats = ppo_loss(lp, old[rows], targets["adv"][rows], mask[rows], cfg.clip,
                                        ref_logp=None if ref is None else ref[rows], kl_coef=cfg.kl_coef,
@@ -350,8 +364,8 @@ class PPORun:
                     stats["value_loss"] = float(vf_loss.detach())
                 m = mask[rows]
                 stats["ppo_kl"] = float(((old[rows] - lp.detach()) * m).sum() / m.sum().clamp(min=1))
-                per_update.append(stats)
-                return loss
+                per_update.append((float(share), stats))
+                return loss if len(rows) == len(minibatch) else loss * share
 
             return loss_fn
 
@@ -359,8 +373,10 @@ class PPORun:
         losses, norms = [], []
         shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step))
         try:
-            recompute = updates > 1 and (cfg.old_logprobs == "recompute" or self.step % cfg.parity_check_every == 0)
-            if recompute and gae:  # the old-log-prob pass, with the old values
+            gae_pass = gae and (updates > 1 or len(micro_batches(torch.arange(n))) > 1)  # old values before any update
+            recompute = gae_pass or (updates > 1 and (cfg.old_logprobs == "recompute"
+                                                      or self.step % cfg.parity_check_every == 0))
+            if gae_pass:  # the old-log-prob pass, with the old values
                 lp, values = self.backend.logprobs_and_values(batch, cfg.temperature)
                 check(lp.gather(1, index), torch.arange(n))
                 set_gae_targets(values.gather(1, index))
@@ -370,7 +386,7 @@ class PPORun:
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
                 for rows in order.tensor_split(cfg.num_minibatches):
-                    loss, grad_norm = self.backend.train_step(loss_for(rows))
+                    loss, grad_norm = self.backend.train_step(*(loss_for(r, rows) for r in micro_batches(rows)))
                     losses.append(loss)
                     norms.append(grad_norm)
         except ParityViolation:
@@ -382,11 +398,11 @@ class PPORun:
         self._sync_new_version()
         metrics.update(old_logprob_recomputed=float(recompute), time_ref=t_ref, time_old_logprob=t_old,
                        time_update=t_train - t_old, time_sync=time.perf_counter() - t2)
-        metrics.update(loss=loss, grad_norm=grad_norm, **{
-            name: sum(u[key] for u in per_update) / updates
+        metrics.update(loss=loss, grad_norm=grad_norm, **{  # per update: its passes weighted by their token shares
+            name: sum(share * u[key] for share, u in per_update) / updates
             for name, key in (("ppo_kl", "ppo_kl"), ("clipfrac", "clip_frac"), ("entropy", "entropy"),
                               ("kl_ref", "kl_ref"), ("value_loss", "value_loss"), ("vf_clipfrac", "vf_clip_frac"))
-            if key in per_update[0]})
+            if key in per_update[0][1]})
         if gae:
             metrics.update(explained_var=explained_variance(targets["returns"], targets["values"], mask))
         if self.last_sync is not None:  # rank 0
@@ -543,10 +559,13 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
                               f"{getattr(cfg, key)!r}: resume with the config that wrote it")
     was = (saved.get("backend", "megatron"), saved.get("zero_stage", 3), state.get("world_size", 1))
     now = (cfg.backend, cfg.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
-    if was[0] != now[0] or (now[0] == "deepspeed" and was != now):
-        raise ConfigError(f"{path} was written by the {was[0]} backend (ZeRO-{was[1]}, {was[2]} processes); this run "
-                          f"is {now[0]} (ZeRO-{now[1]}, {now[2]} processes): resume with the same backend, ZeRO stage "
-                          "and process count")
+    if was[0] != now[0]:
+        raise ConfigError(f"{path} was written by the {was[0]} backend; this run is {now[0]}: resume with the same "
+                          "backend")
+    if now[0] == "deepspeed" and was != now:
+        raise ConfigError(f"{path} was written by the deepspeed backend at ZeRO-{was[1]} on {was[2]} processes; this "
+                          f"run is ZeRO-{now[1]} on {now[2]} processes: resume with the same ZeRO stage and process "
+                          "count")
 
 
 def initial_adapter(cfg: PPOConfig, checkpoint: Path, resume: Path | None) -> Adapter:
