@@ -155,9 +155,9 @@ def test_state_round_trip_continues_bitwise(name: str, zero_stage: int, lora: bo
 
 
 def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_path: Path) -> None:
-    """With GAE's value head (`value_head=True`) and a loss that trains it: step 0, save_state, step 1 == a fresh
-    backend that loads the state and runs step 1, (loss, grad norm), the exported weights and the head bit for bit;
-    the head is in the state (value_head.pt), never in the export."""
+    """With GAE's value head (`value_head_lr`: its own Adam group) and a loss that trains it: step 0, save_state,
+    step 1 == a fresh backend that loads the state and runs step 1, (loss, grad norm), the exported weights and the
+    head bit for bit; the head is in the state (value_head.pt), never in the export."""
     from trainer.megatron.backend import VALUE_HEAD_FILE
 
     def loss(step: int) -> Callable[[torch.nn.Module], torch.Tensor]:
@@ -170,7 +170,7 @@ def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_pat
         step = backend.train_step(loss(1))
         return step, backend.export_weights(), backend.trainer.module.value_head.weight.detach().clone()
 
-    backend = build_backend("megatron", checkpoint, lr=LR, value_head=True)
+    backend = build_backend("megatron", checkpoint, lr=LR, value_head_lr=LR / 10)
     try:
         backend.train_step(loss(0))
         backend.save_state(tmp_path / "state")
@@ -179,7 +179,7 @@ def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_pat
         backend.close()
     assert (tmp_path / "state" / VALUE_HEAD_FILE).exists() and want[2].abs().sum() > 0
     assert not any("value_head" in n for n in want[1])
-    resumed = build_backend("megatron", checkpoint, lr=LR, value_head=True)
+    resumed = build_backend("megatron", checkpoint, lr=LR, value_head_lr=LR / 10)
     try:
         resumed.load_state(tmp_path / "state")
         got = run(resumed)

@@ -23,17 +23,18 @@ __all__ = ["BACKENDS", "ZERO_STAGES", "TrainerBackend", "build_backend"]
 def build_backend(name: str, checkpoint: str | Path, *, lr: float = 0.0, clip_grad: float = 1.0,
                   weight_decay: float = 0.0, kernels: str = "invariant",
                   adapter: Adapter | str | Path | None = None, zero_stage: int = 3,
-                  value_head: bool = False) -> TrainerBackend:
+                  value_head_lr: float | None = None) -> TrainerBackend:
     """The `name` backend ("megatron" | "deepspeed") on an official checkpoint directory, with `adapter` (an `Adapter`
     or a PEFT adapter directory: LoRA, base frozen) when given. `lr`, `clip_grad` (Megatron's max grad norm, 0: off)
     and `weight_decay` configure the optimizer (lr 0: a backend that only scores); `zero_stage` (2 or 3) applies to
-    DeepSpeed. `value_head` (megatron only) adds GAE's critic (`TrainerBackend.logprobs_and_values`). Collective;
+    DeepSpeed. `value_head_lr` (megatron only) adds GAE's critic at that learning rate
+    (`TrainerBackend.logprobs_and_values`). Collective;
     raises ConfigError on a bad choice, AdapterError on a bad adapter."""
     if name not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "deepspeed" and zero_stage not in ZERO_STAGES:
         raise ConfigError(f"zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {zero_stage!r}")
-    if value_head and name != "megatron":
+    if value_head_lr is not None and name != "megatron":
         raise ConfigError(f"a value head (advantage: gae) trains on the megatron backend only, not {name!r}")
     checkpoint = Path(checkpoint)
     if adapter is not None and not isinstance(adapter, Adapter):
@@ -41,7 +42,7 @@ def build_backend(name: str, checkpoint: str | Path, *, lr: float = 0.0, clip_gr
     if name == "megatron":
         from trainer.megatron.backend import MegatronBackend
 
-        return MegatronBackend(checkpoint, lr, clip_grad, weight_decay, kernels, adapter, value_head)
+        return MegatronBackend(checkpoint, lr, clip_grad, weight_decay, kernels, adapter, value_head_lr)
     from trainer.deepspeed.backend import DeepSpeedBackend
 
     return DeepSpeedBackend(checkpoint, lr, clip_grad, weight_decay, kernels, adapter, zero_stage)

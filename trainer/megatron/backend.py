@@ -17,23 +17,25 @@ from trainer.megatron.parallel import destroy_parallel, init_parallel
 from trainer.megatron.train import build_trainer, train_step
 
 OPTIMIZER_FILE = "optimizer.pt"  # in a saved state: Megatron's optimizer state dict
-VALUE_HEAD_FILE = "value_head.pt"  # in a saved state with a value head: its [1, hidden] fp32 weight
+VALUE_HEAD_FILE = "value_head.pt"  # in a saved state with a value head: its [1, hidden + 1] fp32 weight
 
 
 class MegatronBackend(TrainerBackend):
     """`trainer.megatron.train.build_trainer` at TP = EP = 1 in this process, with a value head (GAE's critic) when
-    asked: trained in the same optimizer step, saved and restored with the state, never exported."""
+    `value_head_lr` is given: trained in the same optimizer step at its own learning rate, saved and restored with
+    the state, never exported."""
 
     name = "megatron"
 
     def __init__(self, checkpoint: Path, lr: float, clip_grad: float, weight_decay: float, kernels: str,
-                 adapter: Adapter | None, value_head: bool = False):
+                 adapter: Adapter | None, value_head_lr: float | None = None):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("the megatron backend runs in one process (TP = EP = 1); "
                               "train on several processes with the deepspeed backend")
         self.par = init_parallel(1, 1)
         self.trainer = build_trainer(checkpoint, self.par, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
-                                     kernels=kernels, adapter=adapter, value_head=value_head)
+                                     kernels=kernels, adapter=adapter,
+                                     value_head_lr=value_head_lr)
         self.model_cfg = self.trainer.module.config.k3
         self.has_adapter = adapter is not None
 

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (MegatronOptimizer, OptimizerConfig, ParamKey, get_megatron_optimizer,
+                                     get_standard_config_overrides)
 
 from lora.adapter import Adapter
 from parity.config import ModelConfig
 from trainer.megatron.io import load_adapter, load_official
 from trainer.megatron.config import k3_transformer_config
-from trainer.megatron.modules import MegatronK3Model
+from trainer.megatron.modules import VALUE_HEAD_PREFIX, MegatronK3Model
 from trainer.megatron.parallel import ParallelContext
 from parity.io.checkpoint import load_checkpoint
 from parity.weights import master_weights
@@ -50,24 +51,31 @@ def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: P
 
 def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_grad: float = 1.0,
                   weight_decay: float = 0.0, kernels: str = "invariant", adapter: Adapter | None = None,
-                  value_head: bool = False) -> Trainer:
-    """Load `checkpoint` (and `adapter`: LoRA training, base frozen), add a value head when asked
-    (`MegatronK3Model.add_value_head`: trained with the model), wrap the model in Megatron's DDP (fp32 grads) and
-    build Megatron's Adam over the trainable parameters."""
+                  value_head_lr: float | None = None) -> Trainer:
+    """Load `checkpoint` (and `adapter`: LoRA training, base frozen), add a value head when `value_head_lr` is given
+    (`MegatronK3Model.add_value_head`: trained with the model, in its own parameter group at that learning rate),
+    wrap the model in Megatron's DDP (fp32 grads) and build Megatron's Adam over the trainable parameters."""
     model_cfg, weights = load_checkpoint(checkpoint)
     masters = master_weights(model_cfg.text, weights)  # MXFP4 experts dequantised to fp32 masters (exact)
     module = build_model(model_cfg, masters, par, kernels, adapter=adapter)
-    if value_head:
+    if value_head_lr is not None:
         module.add_value_head()
-    return wrap(module, lr, clip_grad, weight_decay)
+    return wrap(module, lr, clip_grad, weight_decay, value_head_lr)
 
 
-def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0) -> Trainer:
-    """Megatron DDP around `module` and `get_megatron_optimizer` (Adam, fp32, no distributed optimizer)."""
+def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0,
+         value_head_lr: float | None = None) -> Trainer:
+    """Megatron DDP around `module` and `get_megatron_optimizer` (Adam, fp32, no distributed optimizer); a value head
+    gets its own parameter group at `value_head_lr` (the rest keeps Megatron's standard groups)."""
     ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                               params_dtype=module.config.params_dtype)
-    return Trainer(ddp, module, get_megatron_optimizer(opt_cfg, [ddp]))
+    overrides = None
+    if module.value_head is not None:
+        overrides = {**get_standard_config_overrides(opt_cfg),
+                     ParamKey(name=f"*{VALUE_HEAD_PREFIX}*"): {"lr": value_head_lr, "max_lr": value_head_lr,
+                                                               "is_decoupled_lr": True}}  # its own key in saved states
+    return Trainer(ddp, module, get_megatron_optimizer(opt_cfg, [ddp], config_overrides=overrides))
 
 
 def train_step(trainer: Trainer, *loss_fns: Callable[[DistributedDataParallel], torch.Tensor]) -> tuple[float, float]:

@@ -18,7 +18,7 @@ from zerokl.tasks import make_task, resolve_paths
 from zerokl.ppo.algo import KL_ESTIMATORS
 
 
-GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2}  # the keys only advantage: gae reads
+GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2, "value_lr": 1e-4}  # only gae reads
 LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0}  # with lora: true and no lora_init (PEFT's init)
 ZERO_STAGE_DEFAULT = 3  # with backend: deepspeed
 LORA_INIT_KEYS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter from lora_init brings itself
@@ -53,6 +53,7 @@ class PPOConfig:
     lam: float | None = None  # advantage: gae only; GAE's lambda
     vf_coef: float | None = None  # advantage: gae only; the value loss's weight in the joint loss
     value_clip: float | None = None  # advantage: gae only; PPO's value clipping range around the old values
+    value_lr: float | None = None  # advantage: gae only; the value head's learning rate (its own Adam group)
     grad_clip: float = 1.0
     seed: int = 0
     kernels: str = "invariant"
@@ -171,7 +172,7 @@ class PPOConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ConfigError(f"ppo config: {name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("vf_coef", "value_clip"):
+        for name in ("vf_coef", "value_clip", "value_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ppo config: {name} must be > 0, got {getattr(self, name)}")
         if self.backend != "megatron":

@@ -23,17 +23,18 @@ With `kl_coef > 0` the loss adds a KL penalty (`kl_estimator` k1 or k3) to a fro
 checkpoint or `ref_model`), whose log-probs rank 0 computes with the shared forward; `entropy_coef` subtracts the
 policy's mean entropy; `kl_ref` and `entropy` are reported.
 
-With `advantage: gae` the critic is a value head on the policy's trunk (`MegatronK3Model.add_value_head`: a [1, hidden]
-fp32 projection of the final-normed hidden state, zero at the start), trained jointly: the loss adds `vf_coef` x the
-clipped value loss (`zerokl.ppo.algo.value_loss`, `value_clip` around the old values) and one optimizer step updates
-both. The value before completion token j is read at the position whose hidden state predicts j (the log-prob's
-`index`). Old values are the generating version's: with one update per step from the update's own forward (detached),
-else from the no-grad pass, which then returns values too (`old_logprobs: rollout`, which skips it, is refused with
-GAE). GAE (`gamma`, `lam`, terminal reward) gives per-token advantages, whitened over the batch's valid tokens (as
-verl does), and returns (unwhitened). The head never touches the log-probs (computed beside the logits from the same
-hidden state), is no official tensor (exports, syncs and checkpoints' official weights never see it) and is saved
-with the trainer state (its Adam moments in the optimizer's). `value_loss`, `vf_clipfrac` and `explained_var` (at the
-generating version) are reported. GAE runs on the megatron backend, without LoRA.
+With `advantage: gae` the critic is a value head on the policy's trunk (`MegatronK3Model.add_value_head`: an fp32
+affine map, weights and a bias, of the final-normed hidden state, zero at the start), trained jointly: the loss adds
+`vf_coef` x the clipped value loss (`zerokl.ppo.algo.value_loss`, `value_clip` around the old values) and one
+optimizer step updates both, the head in its own Adam group at `value_lr`. The value before completion token j is read
+at the position whose hidden state predicts j (the log-prob's `index`). Old values are the generating version's: with
+one update per step from the update's own forward (detached), else from the no-grad pass, which then returns values
+too (`old_logprobs: rollout`, which skips it, is refused with GAE). GAE (`gamma`, `lam`, terminal reward) gives
+per-token advantages, whitened over the batch's valid tokens (as verl does), and returns (unwhitened). The head never
+touches the log-probs (computed beside the logits from the same hidden state), is no official tensor (exports, syncs
+and checkpoints' official weights never see it) and is saved with the trainer state (its Adam moments in the
+optimizer's). `value_loss`, `vf_clipfrac` and `explained_var` (at the generating version) are reported. GAE runs on
+the megatron backend, without LoRA.
 
 Everything the next step depends on (weights, optimizer state, RNG states (the task samples by the run's Random alone), policy version) is
 checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
@@ -152,7 +153,7 @@ class PPORun:
         self.eos = load_checkpoint_config_eos(base)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
-                                     adapter=adapter, zero_stage=cfg.zero_stage, value_head=cfg.advantage == "gae")
+                                     adapter=adapter, zero_stage=cfg.zero_stage, value_head_lr=cfg.value_lr)
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
         self.reference = reference_forward(cfg, base) if self.rank0 and cfg.kl_coef > 0 else None
         self.engine: Any = None
@@ -352,7 +353,7 @@ class PPORun:
                     first_update.append((lp.detach(), rows))  # once its last pass is in, before its optimizer step
                     if sum(len(r) for _, r in first_update) == len(minibatch):
                         check(torch.cat([x for x, _ in first_update]), torch.cat([r for _, r in first_update]))
-                if "adv" not in targets:  # GAE, one update in one pass: its forward (every sample) is at the generating version
+                if "adv" not in targets:  # GAE, one update in one pass: its forward (every sample, generating version)
                     set_gae_targets(value[0])
                 loss, stats = ppo_loss(lp, old[rows], targets["adv"][rows], mask[rows], cfg.clip,
                                        ref_logp=None if ref is None else ref[rows], kl_coef=cfg.kl_coef,
