@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lora.adapter import load_lora
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from trainer.deepspeed.engine import build_deepspeed_trainer, destroy, init_dist, train_step
+from trainer.deepspeed.engine import build_deepspeed_trainer, destroy, destroy_dist, init_dist, train_step
 from trainer.deepspeed.io import export_official
 from trainer.deepspeed.lora import export_adapter
 from trainer.logprobs import PaddedBatch, token_logprobs
@@ -95,6 +95,7 @@ def main() -> None:
     results = {"base": run(args.checkpoint, None), "lora": run(args.checkpoint, args.adapter)}
     if dist.get_rank() == 0:
         torch.save(results, args.out)
+    destroy_dist()  # the process group's threads end before the interpreter does (else, at times: std::terminate)
 
 
 if __name__ == "__main__":
