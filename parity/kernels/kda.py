@@ -148,6 +148,16 @@ def kda_invariant(
     return o.to(out_dtype), s
 
 
+def _padding_as_identity(g: torch.Tensor, beta: torch.Tensor,
+                         valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """g and beta with every padding token's set to 0 (valid: [B, T] or None): g = 0 and beta = 0 leave the state as
+    it is, so padding runs as identity steps."""
+    if valid is None:
+        return g, beta
+    return (torch.where(valid[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device)),
+            torch.where(valid[..., None], beta, torch.zeros((), dtype=beta.dtype, device=beta.device)))
+
+
 def _fla_runs(q: torch.Tensor) -> bool:
     return q.is_cuda and importlib.util.find_spec("fla") is not None
 
@@ -158,9 +168,7 @@ def _kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     identity steps (g = 0 and beta = 0 leave the state as it is; the output there is zeroed)."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
-    if valid is not None:
-        g = torch.where(valid[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
-        beta = torch.where(valid[..., None], beta, torch.zeros((), dtype=beta.dtype, device=beta.device))
+    g, beta = _padding_as_identity(g, beta, valid)
     run = fused_recurrent_kda if q.shape[1] == 1 else chunk_kda
     o, s = run(q, k, v.to(q.dtype), g, beta.to(q.dtype), scale=scale, initial_state=state.float(),
                output_final_state=True)
@@ -225,9 +233,7 @@ def kda_chunked(
     token."""
     out_dtype = v.dtype
     q, k, v, g, beta = wide(q), wide(k), wide(v), wide(g), wide(beta)
-    if valid is not None:
-        g = torch.where(valid[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device))
-        beta = torch.where(valid[..., None], beta, torch.zeros((), dtype=beta.dtype, device=beta.device))
+    g, beta = _padding_as_identity(g, beta, valid)
     q, k, v, g, beta = (x.transpose(1, 2) for x in (q, k, v, g, beta))  # [B, H, T, ...]
     s = state.to(q.dtype)
     outs = []
