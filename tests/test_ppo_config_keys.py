@@ -9,11 +9,12 @@ import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from zerokl.ppo.config import GAE_DEFAULTS, LORA_DEFAULTS, ZERO_STAGE_DEFAULT, PPOConfig
+from trainer.backend import DEFAULT_ZERO_STAGE
+from zerokl.ppo.config import GAE_DEFAULTS, LORA_DEFAULTS, PPOConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONDITIONAL = {**{k: (v, "gae") for k, v in GAE_DEFAULTS.items()}, **{k: (v, "lora") for k, v in LORA_DEFAULTS.items()},
-               "zero_stage": (ZERO_STAGE_DEFAULT, "deepspeed")}  # defaults filled only where the key is read
+               "zero_stage": (DEFAULT_ZERO_STAGE, "deepspeed")}  # defaults filled only where the key is read
 
 
 def _yaml(value: object) -> str:

@@ -16,20 +16,21 @@ from trainer.base import TrainerBackend
 
 BACKENDS = ("megatron", "deepspeed")
 ZERO_STAGES = (2, 3)
+DEFAULT_ZERO_STAGE = 3  # what a deepspeed run gets when it names no stage
 
-__all__ = ["BACKENDS", "ZERO_STAGES", "TrainerBackend", "build_backend"]
+__all__ = ["BACKENDS", "DEFAULT_ZERO_STAGE", "ZERO_STAGES", "TrainerBackend", "build_backend"]
 
 
 def build_backend(name: str, checkpoint: str | Path, *, lr: float = 0.0, clip_grad: float = 1.0,
                   weight_decay: float = 0.0, kernels: str = "invariant",
-                  adapter: Adapter | str | Path | None = None, zero_stage: int = 3,
+                  adapter: Adapter | str | Path | None = None, zero_stage: int = DEFAULT_ZERO_STAGE,
                   value_head_lr: float | None = None) -> TrainerBackend:
     """The `name` backend ("megatron" | "deepspeed") on an official checkpoint directory, with `adapter` (an `Adapter`
     or a PEFT adapter directory: LoRA, base frozen) when given. `lr`, `clip_grad` (Megatron's max grad norm, 0: off)
     and `weight_decay` configure the optimizer (lr 0: a backend that only scores); `zero_stage` (2 or 3) applies to
     DeepSpeed. `value_head_lr` (megatron only) adds GAE's critic at that learning rate
-    (`TrainerBackend.logprobs_and_values`). Collective;
-    raises ConfigError on a bad choice, AdapterError on a bad adapter."""
+    (`TrainerBackend.logprobs_and_values`). Collective; raises ConfigError on a bad choice, AdapterError on a bad
+    adapter."""
     if name not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "deepspeed" and zero_stage not in ZERO_STAGES:

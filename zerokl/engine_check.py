@@ -23,6 +23,7 @@ from parity.diagnose import Divergence, diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.io.checkpoint import load_checkpoint
+from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.tasks import make_task
 
 ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
@@ -133,7 +134,8 @@ class Checker:
     """A rollout engine and a trainer model on the same checkpoint (and LoRA adapter), kept alive across checks."""
 
     def __init__(self, model: str | Path, kernels: str = "invariant", engine_args: dict[str, Any] | None = None,
-                 lora: str | Path | None = None, backend: str = "megatron", zero_stage: int = 3, tp: int = 1):
+                 lora: str | Path | None = None, backend: str = "megatron", zero_stage: int = DEFAULT_ZERO_STAGE,
+                 tp: int = 1):
         """`backend` / `zero_stage`: the trainer (`trainer.backend.build_backend`), in this one process; `tp` > 1:
         the Megatron trainer at that tensor parallelism on `tp` local ranks (`TensorParallelScorer`)."""
         from lora.adapter import load_adapter

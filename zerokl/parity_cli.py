@@ -18,6 +18,7 @@ from pathlib import Path
 
 from parity.compare import ParityReport, compare, format_report, load_dump
 from parity.config import ConfigError
+from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.argtypes import kernel_set, positive_int, temperature
 from parity.report import write_html
 
@@ -47,10 +48,11 @@ def _checker(args: argparse.Namespace, lora: str | None = None):
 
 
 def _zero_stage(args: argparse.Namespace) -> int:
-    """--zero-stage (default 3) with --backend deepspeed; refused with another backend, which would ignore it."""
+    """--zero-stage (default DEFAULT_ZERO_STAGE) with --backend deepspeed; refused with another backend, which would
+    ignore it."""
     if args.backend != "deepspeed" and args.zero_stage is not None:
         raise ConfigError(f"--zero-stage is only read with --backend deepspeed, not {args.backend}")
-    return 3 if args.zero_stage is None else args.zero_stage
+    return DEFAULT_ZERO_STAGE if args.zero_stage is None else args.zero_stage
 
 
 def _prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -70,7 +72,7 @@ def _prompts(args: argparse.Namespace) -> list[list[int]]:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    _zero_stage(args)
+    _zero_stage(args)  # refused before any file is read
     prompts = _prompts(args)
     checker = _checker(args, args.lora)
     try:

@@ -34,8 +34,7 @@ class MegatronBackend(TrainerBackend):
                               "train on several processes with the deepspeed backend")
         self.par = init_parallel(1, 1)
         self.trainer = build_trainer(checkpoint, self.par, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
-                                     kernels=kernels, adapter=adapter,
-                                     value_head_lr=value_head_lr)
+                                     kernels=kernels, adapter=adapter, value_head_lr=value_head_lr)
         self.model_cfg = self.trainer.module.config.k3
         self.has_adapter = adapter is not None
 

@@ -13,14 +13,13 @@ import yaml
 
 from parity.config import ConfigError
 from parity.kernels import KERNEL_SETS, get_kernels
-from trainer.backend import BACKENDS, ZERO_STAGES
+from trainer.backend import BACKENDS, DEFAULT_ZERO_STAGE, ZERO_STAGES
 from zerokl.tasks import make_task, resolve_paths
 from zerokl.ppo.algo import KL_ESTIMATORS
 
 
 GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2, "value_lr": 1e-4}  # only gae reads
 LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0}  # with lora: true and no lora_init (PEFT's init)
-ZERO_STAGE_DEFAULT = 3  # with backend: deepspeed
 LORA_INIT_KEYS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter from lora_init brings itself
 
 
@@ -62,7 +61,7 @@ class PPOConfig:
     checkpoint_every: int = 25
     wandb: str = "offline"
     backend: str = "megatron"  # trainer backend (trainer.backend): megatron (one process) or deepspeed
-    zero_stage: int | None = None  # backend: deepspeed only; its ZeRO stage, 2 or 3 (ZERO_STAGE_DEFAULT)
+    zero_stage: int | None = None  # backend: deepspeed only; its ZeRO stage, 2 or 3 (DEFAULT_ZERO_STAGE)
     lora: bool = False  # train only a LoRA adapter (base frozen) and sync only the adapter
     lora_rank: int | None = None  # lora only (LORA_DEFAULTS)
     lora_alpha: float | None = None  # lora only (LORA_DEFAULTS)
@@ -104,7 +103,7 @@ class PPOConfig:
         _choice("backend", self.backend, BACKENDS)
         if self.backend == "deepspeed":
             if self.zero_stage is None:
-                object.__setattr__(self, "zero_stage", ZERO_STAGE_DEFAULT)
+                object.__setattr__(self, "zero_stage", DEFAULT_ZERO_STAGE)
             if self.zero_stage not in ZERO_STAGES:
                 raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
                                   f"got {self.zero_stage!r}")

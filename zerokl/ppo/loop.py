@@ -75,6 +75,7 @@ from parity.model import K3Forward, K3Weights
 from parity.weights import bf16_bytes, serving_weights
 from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import explained_variance, gae_advantages, grpo_advantages, masked_whiten, ppo_loss, value_loss
+from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.ppo.config import PPOConfig
 from parity.io.atomic import commit_partial, partial_path
 from parity.quant.mxfp4 import QuantError
@@ -332,10 +333,6 @@ class PPORun:
             adv, returns = gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
             targets.update(adv=masked_whiten(adv, mask), returns=returns, values=values)
 
-        def micro_batches(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            """A minibatch's rows as its forward/backward passes (`micro_batch_size` rows each, or one pass)."""
-            return rows.split(cfg.micro_batch_size) if cfg.micro_batch_size else (rows,)
-
         first_update: list[tuple[torch.Tensor, torch.Tensor]] = []  # its (log-probs, rows) per pass, until all are in
 
         def loss_for(rows: torch.Tensor, minibatch: torch.Tensor) -> Callable[[torch.nn.Module], torch.Tensor]:
@@ -374,7 +371,7 @@ class PPORun:
         losses, norms = [], []
         shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step))
         try:
-            gae_pass = gae and (updates > 1 or len(micro_batches(torch.arange(n))) > 1)  # old values before any update
+            gae_pass = gae and (updates > 1 or cfg.micro_batch_size is not None)  # old values before any update
             recompute = gae_pass or (updates > 1 and (cfg.old_logprobs == "recompute"
                                                       or self.step % cfg.parity_check_every == 0))
             if gae_pass:  # the old-log-prob pass, with the old values
@@ -387,7 +384,8 @@ class PPORun:
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
                 for rows in order.tensor_split(cfg.num_minibatches):
-                    loss, grad_norm = self.backend.train_step(*(loss_for(r, rows) for r in micro_batches(rows)))
+                    passes = rows.split(cfg.micro_batch_size) if cfg.micro_batch_size else (rows,)
+                    loss, grad_norm = self.backend.train_step(*(loss_for(r, rows) for r in passes))
                     losses.append(loss)
                     norms.append(grad_norm)
         except ParityViolation:
@@ -558,7 +556,7 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
         if not ok:
             raise ConfigError(f"{path} was written by a run with {key}: {saved.get(key)!r}; this run has {key}: "
                               f"{getattr(cfg, key)!r}: resume with the config that wrote it")
-    was = (saved.get("backend", "megatron"), saved.get("zero_stage", 3), state.get("world_size", 1))
+    was = (saved.get("backend", "megatron"), saved.get("zero_stage", DEFAULT_ZERO_STAGE), state.get("world_size", 1))
     now = (cfg.backend, cfg.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
     if was[0] != now[0]:
         raise ConfigError(f"{path} was written by the {was[0]} backend; this run is {now[0]}: resume with the same "

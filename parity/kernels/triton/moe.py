@@ -236,8 +236,7 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
     _down_kernel[(n_tiles, triton.cdiv(lat, bn))](
         h, w2, s2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), sw2_e, sw2_n, ss2_e, ss2_n, y.stride(0),
         BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, W_MXFP4=packed, num_warps=4, num_stages=3)
-    bl = min(pow2(lat), 1024)
-    br = max(1, min(64, 4096 // bl))
+    br, bl, warps = row_blocks(min(lat, 1024))  # column tiles of at most 1024
     _combine_kernel[(triton.cdiv(n, br), triton.cdiv(lat, bl))](y, weights.contiguous(), out, n, lat, k, BR=br, BL=bl,
-                                                                 num_warps=4)
+                                                                 num_warps=warps)
     return out
