@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from parity.kernels.registry import KERNEL_SETS, FAST, INVARIANT, Kernels
+from parity.kernels.registry import FAST, FAST_GROUPED, INVARIANT, KERNEL_SETS, Kernels
 
 __all__ = ["KERNEL_SETS", "FAST", "INVARIANT", "Kernels", "get_kernels"]
 
@@ -27,7 +27,7 @@ def get_kernels(name: str) -> Kernels:
 
     On a machine with CUDA, 'invariant' runs the Triton kernels on CUDA tensors and the CPU kernels on CPU
     tensors (`parity.kernels.triton.DEVICE_INVARIANT`, chosen per call by the input's device); Triton is
-    imported only there. 'triton' is the Triton kernels on every tensor: CUDA, or CPU tensors in a process
+    imported only there. 'fast' there runs the routed experts as `torch._grouped_mm` (`FAST_GROUPED`). 'triton' is the Triton kernels on every tensor: CUDA, or CPU tensors in a process
     started with TRITON_INTERPRET=1 (Triton's interpreter; slow, for tests)."""
     if name == "invariant":
         if torch.cuda.is_available():
@@ -36,7 +36,7 @@ def get_kernels(name: str) -> Kernels:
             return DEVICE_INVARIANT
         return INVARIANT
     if name == "fast":
-        return FAST
+        return FAST_GROUPED if torch.cuda.is_available() else FAST
     if name == "triton":
         if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
             raise ValueError("the triton kernel set needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from parity.kernels.activations import silu_glu_invariant, situ_glu_invariant
-from parity.kernels.linear import linear_invariant
+from parity.kernels.activations import silu_glu_fast, silu_glu_invariant, situ_glu_fast, situ_glu_invariant
+from parity.kernels.linear import linear_fast, linear_invariant
 from parity.kernels.primitives import sigmoid, tree_sum, wide
 from parity.quant.mxfp4 import MXFP4Weight
 
@@ -84,18 +84,53 @@ def experts_combine(
     return out
 
 
+def expert_counts(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Slots per expert: ids [M] -> [n_experts] int64, exact (integer adds), no host read (`torch.bincount` on CUDA
+    reads the maximum back to size its output; this is CUDA-graph capturable)."""
+    return torch.zeros(n_experts, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
+def unstack(w: torch.Tensor | MXFP4Weight) -> list:
+    """Stacked expert weights [E, ...] (a tensor or a stacked `MXFP4Weight`) -> one per expert."""
+    if isinstance(w, MXFP4Weight):
+        return [MXFP4Weight(p, s) for p, s in zip(w.packed, w.scale)]
+    return list(w.unbind(0))
+
+
 def experts_stacked(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor | MXFP4Weight,
                     w3: torch.Tensor | MXFP4Weight, w2: torch.Tensor | MXFP4Weight, act: str = "situ",
                     beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
     """`experts_combine` on the invariant kernels over stacked experts (w1, w3: [E, I, L], w2: [E, L, I], or stacked
     `MXFP4Weight`s), the activation named as the grouped Triton op (`parity.kernels.triton.moe.experts`) names it:
     its torch reading, with the same signature (the Triton op's gradients come from this one)."""
-    def unstack(w: torch.Tensor | MXFP4Weight) -> list:
-        if isinstance(w, MXFP4Weight):
-            return [MXFP4Weight(p, s) for p, s in zip(w.packed, w.scale)]
-        return list(w.unbind(0))
-
     def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return silu_glu_invariant(gate, up) if act == "silu" else situ_glu_invariant(gate, up, beta, linear_beta)
 
     return experts_combine(x, ids, weights, unstack(w1), unstack(w3), unstack(w2), linear_invariant, glu)
+
+
+def experts_grouped_fast(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor | MXFP4Weight,
+                         w3: torch.Tensor | MXFP4Weight, w2: torch.Tensor | MXFP4Weight, act: str = "situ",
+                         beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+    """The fast baseline for stacked experts (`experts_stacked`'s signature; not batch-invariant): on CUDA in bf16,
+    what a GPU user runs, `torch._grouped_mm` over the rows sorted by expert (MXFP4 weights dequantised to bf16
+    first); elsewhere `experts_combine` on the fast kernels. Nothing is read back to the host on the grouped path."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
+        def fast_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            return silu_glu_fast(gate, up) if act == "silu" else situ_glu_fast(gate, up, beta, linear_beta)
+
+        return experts_combine(x, ids, weights, unstack(w1), unstack(w3), unstack(w2), linear_fast, fast_glu)
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    ends = torch.cumsum(expert_counts(flat, w1.shape[0]), 0).to(torch.int32)
+
+    def grouped(a: torch.Tensor, w: torch.Tensor | MXFP4Weight) -> torch.Tensor:
+        dense = w.dequantize(torch.bfloat16) if isinstance(w, MXFP4Weight) else w.to(torch.bfloat16)
+        return torch._grouped_mm(a, dense.transpose(-2, -1), offs=ends)
+
+    rows = x[order // k]
+    gate, up = grouped(rows, w1), grouped(rows, w3)
+    h = silu_glu_fast(gate, up) if act == "silu" else situ_glu_fast(gate, up, beta, linear_beta)
+    y = torch.empty_like(rows).index_copy(0, order, grouped(h, w2))  # back to slot order (token, j)
+    return (wide(weights).unsqueeze(-1) * wide(y).view(n, k, -1)).sum(1)

@@ -1,13 +1,14 @@
 """The kernel sets: one `Kernels` record of op implementations per name, and the explicit choice.
 
 - `invariant`: a row's bits depend only on that row's inputs (parity/README.md says what pins each).
-- `fast`: plain torch ops; the non-invariant baseline for benchmarks and negative controls.
+- `fast`: plain torch ops; the non-invariant baseline for benchmarks and negative controls (`FAST`; on a machine with
+  CUDA `FAST_GROUPED`: the same with the routed experts as `torch._grouped_mm` over stacked weights, as GPU users run).
 - `triton`: the invariant kernels in Triton (`parity.kernels.triton`; GPU, or CPU under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -79,3 +80,5 @@ FAST = Kernels(
     route=moe.route_fast,
     token_logprobs=logprobs.token_logprobs_fast,
 )
+
+FAST_GROUPED = replace(FAST, experts=moe.experts_grouped_fast)

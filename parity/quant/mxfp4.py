@@ -54,6 +54,13 @@ def _fp4_helpers() -> ModuleType:
     return module
 
 
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """compressed-tensors' E2M1 magnitudes by code (0..7) on `device`, made once per device (so a dequantise inside
+    a CUDA graph capture copies nothing from the host)."""
+    return _fp4_helpers().kE2M1ToFloat.to(device)
+
+
 class QuantError(ValueError):
     """A tensor that cannot be quantised (non-finite values, K not a multiple of 32); the message says which."""
 
@@ -121,7 +128,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     """packed uint8 [..., N, K/2], scale uint8 [..., N, K/32] -> [..., N, K] in `dtype` (exact)."""
     lead, k = packed.shape[:-1], 2 * packed.shape[-1]
     n = packed[..., 0].numel()
-    values = _fp4_helpers().unpack_fp4_from_uint8(packed.reshape(n, k // 2), n, k, dtype=torch.float32)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, k)  # low nibble first, as packed
+    values = _e2m1_table(packed.device)[(codes & 0x07).long()] * (1 - 2 * (codes >> 3).float())
     values = values.reshape(n, k // GROUP, GROUP) * torch.exp2(scale.reshape(n, -1).float() - 127).unsqueeze(-1)
     return values.reshape(*lead, k).to(dtype)
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from parity.kernels.triton._common import (INTERPRET, check_dtype, dot_precision, mma, pow2, row_blocks, sigmoid_f32,
                                            tanh_f32, weight_tile)
+from parity.kernels.moe import expert_counts
 from parity.quant.bf16 import holds_bf16_values
 from parity.quant.mxfp4 import MXFP4Weight
 
@@ -87,18 +88,22 @@ BLOCK_M = 16 if INTERPRET else 64
 def _tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """Sort the N*k slots by expert (stable) and cut each expert's run into tiles of block_m rows.
 
-    Returns (order [N*k] slot index by sorted position, tile_expert [n_tiles], tile_start [n_tiles] sorted
-    position of the tile's first row, tile_rows [n_tiles] valid rows)."""
+    Returns (order [N*k] slot index by sorted position, tile_expert, tile_start (sorted position of the tile's first
+    row), tile_rows (valid rows), each [n_tiles]). n_tiles is a bound known from the shapes alone,
+    cdiv(N*k, block_m) + min(E, N*k) (each expert hit adds at most one partial tile), so nothing is read back to the
+    host (CUDA-graph capturable); tiles past the real ones have 0 rows and their programs return at once."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = expert_counts(flat, n_experts)
     starts = torch.cumsum(counts, 0) - counts
-    n_tiles = (counts + block_m - 1) // block_m
-    tile_expert = torch.repeat_interleave(torch.arange(n_experts, device=ids.device), n_tiles)
-    first_tile = torch.cumsum(n_tiles, 0) - n_tiles
-    j = torch.arange(tile_expert.numel(), device=ids.device) - first_tile[tile_expert]  # tile index within expert
+    per_expert = (counts + block_m - 1) // block_m
+    ends = torch.cumsum(per_expert, 0)  # tiles of experts 0..e
+    bound = -(-flat.numel() // block_m) + min(n_experts, flat.numel())
+    tile = torch.arange(bound, device=ids.device)
+    tile_expert = torch.searchsorted(ends, tile, right=True).clamp(max=n_experts - 1)
+    j = tile - (ends - per_expert)[tile_expert]  # tile index within its expert
     tile_start = starts[tile_expert] + j * block_m
-    tile_rows = torch.clamp(counts[tile_expert] - j * block_m, max=block_m)
+    tile_rows = torch.clamp(counts[tile_expert] - j * block_m, min=0, max=block_m)
     return order, tile_expert, tile_start, tile_rows
 
 
@@ -125,6 +130,8 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, t_e
     expert = tl.load(t_exp_ptr + tile).to(tl.int64)
     start = tl.load(t_start_ptr + tile)
     nrows = tl.load(t_rows_ptr + tile)
+    if nrows == 0:  # a tile past the real ones (`_tiles`' static bound)
+        return
     r = tl.arange(0, BM)
     rmask = r < nrows
     pos = (start + r).to(tl.int64)
@@ -154,6 +161,8 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr
     expert = tl.load(t_exp_ptr + tile).to(tl.int64)
     start = tl.load(t_start_ptr + tile)
     nrows = tl.load(t_rows_ptr + tile)
+    if nrows == 0:  # a tile past the real ones (`_tiles`' static bound)
+        return
     r = tl.arange(0, BM)
     rmask = r < nrows
     pos = (start + r).to(tl.int64)
