@@ -20,12 +20,10 @@ Prints one line per step and a summary; exit 0 only if every step is bitwise and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from parity.kernels import get_kernels  # noqa: E402
 from parity.model import K3Forward, K3Weights, MLACache, new_cache  # noqa: E402
 from parity.quant import fp8  # noqa: E402
 from parity.weights import serving_weights  # noqa: E402
+from rollout.decode_graph import GraphedDecode  # noqa: E402
 from rollout.paged_pool import PagedLatentPool  # noqa: E402
 from trainer.logprobs import PaddedBatch, token_logprobs  # noqa: E402
 from trainer.megatron.backend import MegatronBackend  # noqa: E402
@@ -54,10 +53,11 @@ class Samples:
     logprobs: list[torch.Tensor]  # fp32 [max_tokens] per sequence, as generation computed them
 
 
-def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int, temperature: float,
-             seed: int) -> Samples:
-    """Chunked prefill of all prompts together (rows with fewer tokens left carry fewer, or none), then batched decode;
-    token i is sampled for every row at once by Gumbel-max, the noise drawn from a generator seeded by (seed, i)."""
+def prefill(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int,
+            seed: int) -> tuple[list, torch.Tensor]:
+    """Chunked prefill of all prompts together (rows with fewer tokens left carry fewer, or none) into new caches
+    (MLA latents in a shuffled paged pool with room for `max_tokens` more) -> (caches, logits of each prompt's last
+    token [B, V])."""
     text = cfg.text
     b = len(prompts)
     longest = max(map(len, prompts)) + max_tokens
@@ -79,11 +79,19 @@ def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tok
             if n:
                 last_hidden[r] = hidden[r, n - 1]
             done[r] += n
+    return caches, fwd.logits(torch.stack(last_hidden))
+
+
+def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int, temperature: float,
+             seed: int) -> Samples:
+    """`prefill`, then batched decode, each step one replay of a CUDA graph (`rollout.decode_graph`); token i is
+    sampled for every row at once by Gumbel-max, the noise drawn from a generator seeded by (seed, i)."""
+    b = len(prompts)
+    caches, logits = prefill(fwd, cfg, prompts, max_tokens, seed)
+    graph = GraphedDecode(fwd, caches, b) if max_tokens > 1 else None
     completions: list[list[int]] = [[] for _ in range(b)]
     logprobs: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    h = torch.stack(last_hidden)
     for i in range(max_tokens):
-        logits = fwd.logits(h)  # [B, V]
         gumbel = -torch.empty(logits.shape, device="cuda").exponential_(
             generator=torch.Generator("cuda").manual_seed(seed * 1_000_003 + i)).log()
         tok = (logits.float() / temperature + gumbel).argmax(-1)
@@ -91,9 +99,8 @@ def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tok
         for r in range(b):
             completions[r].append(int(tok[r]))
             logprobs[r].append(lp[r])
-        if i + 1 < max_tokens:
-            pos = torch.tensor([[len(p) + i] for p in prompts]).cuda()
-            h = fwd.hidden(tok.view(b, 1), pos, torch.ones(b, dtype=torch.long).cuda(), caches)[:, 0]
+        if graph is not None and i + 1 < max_tokens:
+            logits = graph.step(tok.view(b, 1), torch.tensor([[len(p) + i] for p in prompts]).cuda())
     return Samples(prompts, completions, [torch.stack(x) for x in logprobs])
 
 
@@ -127,7 +134,7 @@ def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args:
     kernels = get_kernels(args.kernels)
     metrics = []
     for step in range(first, last):
-        with torch.device("cuda"), _profiled(step == args.profile_step):
+        with torch.device("cuda"):
             t0 = time.perf_counter()
             fwd = K3Forward(K3Weights.from_official(cfg.text, serving_weights(cfg.text, backend.export_official())),
                             kernels)
@@ -169,20 +176,6 @@ def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args:
     return Run(metrics, {n: t.detach().clone() for n, t in backend.export_official().items()})
 
 
-@contextlib.contextmanager
-def _profiled(on: bool) -> Iterator[None]:
-    """With `on`: profile the block (CPU and CUDA) and print the ops that took the most GPU and host time."""
-    if not on:
-        yield
-        return
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        yield
-    table = prof.key_averages()
-    print(table.table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
-    print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-
-
 def _median_s(fn, reps: int) -> float:
     """Median wall time of `fn` (CUDA synchronised) after one warm-up call."""
     fn()
@@ -197,43 +190,71 @@ def _median_s(fn, reps: int) -> float:
 
 
 def benchmark(ckpt: Path, cfg: ModelConfig, args: argparse.Namespace) -> list[dict[str, object]]:
-    """Invariant (Triton) vs fast (cuBLAS, fla's KDA, SDPA) in one run: the trainer's forward + backward step,
-    prefill tokens/s and decode tokens/s at batch 1 and 64 through the generation path (eager, no CUDA graphs)."""
+    """Invariant (Triton) vs fast (cuBLAS, fla's KDA, SDPA, `torch._grouped_mm`) in one run, each row printed as it
+    is measured: the trainer's forward + backward step, prefill tokens/s, and the decode step at batch 1 and 64
+    (eager, and replayed from a CUDA graph)."""
     rows: list[dict[str, object]] = []
     g = torch.Generator().manual_seed(5)
     train_ids = torch.randint(4, cfg.text.vocab_size, (args.bench_batch, args.bench_len), generator=g, device="cpu")
     train_lens = torch.full((args.bench_batch,), args.bench_len)
+    prompts = [torch.randint(4, cfg.text.vocab_size, (args.bench_len,), generator=g, device="cpu").tolist()
+               for _ in range(args.bench_batch)]
+    _, official = load_checkpoint(ckpt)
+
+    def row(kernels: str, what: str, seconds: float, tokens: int | None = None) -> None:
+        r: dict[str, object] = dict(kernels=kernels, what=what, seconds=seconds)
+        if tokens:
+            r["tokens_per_s"] = tokens / seconds
+        inv = next((x for x in rows if x["what"] == what and x["kernels"] == "invariant"), None)
+        if kernels == "fast" and inv is not None:
+            r["invariant_over_fast"] = inv["seconds"] / seconds
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
     for kernels in ("invariant", "fast"):
-        backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=kernels, adapter=None)
+        if "trainer" in args.bench_what:
+            backend = MegatronBackend(ckpt, lr=args.lr, clip_grad=1.0, weight_decay=0.0, kernels=kernels, adapter=None)
+            with torch.device("cuda"):
+                step = _median_s(lambda: backend.train_step(
+                    lambda model: model(train_ids, train_lens, 1.0).sum() / train_ids.numel()), args.bench_reps)
+            backend.close()
+            row(kernels, f"trainer step, {args.bench_batch} x {args.bench_len} tokens", step)
         with torch.device("cuda"):
-            step = _median_s(lambda: backend.train_step(
-                lambda model: model(train_ids, train_lens, 1.0).sum() / train_ids.numel()), args.bench_reps)
-            fwd = K3Forward(K3Weights.from_official(cfg.text, serving_weights(cfg.text, backend.export_official())),
-                            get_kernels(kernels))
-        backend.close()
-        rows.append(dict(kernels=kernels, what=f"trainer step, {args.bench_batch} x {args.bench_len} tokens",
-                         seconds=step))
-        with torch.device("cuda"):
-            prompts = [torch.randint(4, cfg.text.vocab_size, (args.bench_len,), generator=g, device="cpu").tolist()
-                       for _ in range(args.bench_batch)]
-            pre = _median_s(lambda: generate(fwd, cfg, prompts, 1, 1.0, 0), args.bench_reps)
-            rows.append(dict(kernels=kernels, what=f"prefill, {args.bench_batch} x {args.bench_len} tokens",
-                             seconds=pre, tokens_per_s=args.bench_batch * args.bench_len / pre))
-            for b in (1, 64):
-                short = [p[:64] for p in (prompts * 64)[:b]]
-                n = 16
-                t_all = _median_s(lambda: generate(fwd, cfg, short, n + 1, 1.0, 0), reps=1)
-                t_one = _median_s(lambda: generate(fwd, cfg, short, 1, 1.0, 0), reps=1)
-                dec = (t_all - t_one) / n
-                rows.append(dict(kernels=kernels, what=f"decode step, batch {b}", seconds=dec, tokens_per_s=b / dec))
+            fwd = K3Forward(K3Weights.from_official(cfg.text, {n: t.cuda() for n, t in official.items()}),
+                            get_kernels(kernels))  # the checkpoint as served: MXFP4 experts packed
+            if "prefill" in args.bench_what:
+                pre = _median_s(lambda: prefill(fwd, cfg, prompts, 1, 0), args.bench_reps)
+                row(kernels, f"prefill, {args.bench_batch} x {args.bench_len} tokens", pre,
+                    args.bench_batch * args.bench_len)
+            if "decode" in args.bench_what:
+                for b in (1, 64):
+                    for graphed in (False, True):
+                        row(kernels, f"decode step, batch {b}, {'CUDA graph' if graphed else 'eager'}",
+                            _decode_step_s(fwd, cfg, [p[:64] for p in (prompts * 64)[:b]], graphed, 16), b)
         del fwd
         torch.cuda.empty_cache()
-    for r in rows:
-        if r["kernels"] == "invariant":
-            fast = next(f for f in rows if f["kernels"] == "fast" and f["what"] == r["what"])
-            r["invariant_over_fast"] = r["seconds"] / fast["seconds"]
-        print(json.dumps(r), flush=True)
     return rows
+
+
+def _decode_step_s(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], graphed: bool, n: int) -> float:
+    """Median seconds of one batched decode step after `prompts`' prefill (n steps timed, token ids fixed)."""
+    b = len(prompts)
+    caches, _ = prefill(fwd, cfg, prompts, n + 1, 0)
+    tok = torch.full((b, 1), 5, dtype=torch.long, device="cuda")
+    ones = torch.ones(b, dtype=torch.long, device="cuda")
+    graph = GraphedDecode(fwd, caches, b) if graphed else None
+    times = []
+    for i in range(n):
+        pos = torch.tensor([[len(p) + i] for p in prompts], device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if graph is not None:
+            graph.step(tok, pos)
+        else:
+            fwd.logits(fwd.hidden(tok, pos, ones, caches)[:, 0])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[(n - 1) // 2]  # the first eager step compiles
 
 
 def main() -> int:
@@ -251,11 +272,14 @@ def main() -> int:
     p.add_argument("--bench-batch", type=int, default=8)
     p.add_argument("--bench-len", type=int, default=512)
     p.add_argument("--bench-reps", type=int, default=3, help="timed repetitions after one warm-up (median)")
-    p.add_argument("--profile-step", type=int, default=-1, help="profile this step (sync, generation, check, train)")
+    p.add_argument("--bench-what", default="trainer,prefill,decode", type=lambda v: v.split(","),
+                   help="comma-separated: trainer, prefill, decode")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="checkpoint and compute dtype (default: the "
+                   "config's)")
     p.add_argument("--json", help="write metrics, the verdict and the timings here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed)
+        ckpt = init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed, dtype=args.dtype)
         cfg, _ = load_checkpoint(ckpt)
         verdict: dict[str, object] = {}
         metrics: list[dict[str, float]] = []

@@ -153,7 +153,9 @@ def paged(attention: Callable) -> Callable:
                         q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float) -> torch.Tensor:
         k = gather_paged(k_cache, block_table, kv_len).to(q.dtype)
         v = gather_paged(v_cache, block_table, kv_len).to(q.dtype)
-        return attention(q, k, v, q_pos, kv_len, scale)
+        held = (torch.arange(k.shape[1], device=k.device).view(1, -1) < kv_len.view(-1, 1)).view(*k.shape[:2], 1, 1)
+        zero = torch.zeros((), dtype=q.dtype, device=q.device)
+        return attention(q, torch.where(held, k, zero), torch.where(held, v, zero), q_pos, kv_len, scale)
 
     attention_paged.__qualname__ = f"paged({attention.__name__})"
     return attention_paged
@@ -162,7 +164,7 @@ def paged(attention: Callable) -> Callable:
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """cache: [num_blocks, block_size, ...], block_table: [B, max_blocks] int, seq_lens: [B]
     -> contiguous [B, max_blocks * block_size, ...]; positions >= seq_lens hold whatever the blocks hold
-    (attention masks and zeroes them)."""
+    (`paged`'s torch kernels zero them)."""
     b, nb = block_table.shape
     gathered = cache[block_table.clamp(min=0).reshape(-1)]  # [B * nb, block_size, ...]
     return gathered.reshape(b, nb * cache.shape[1], *cache.shape[2:])
