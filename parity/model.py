@@ -35,6 +35,7 @@ import torch
 from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.kernels.linear import LoRA, k_segments
+from parity.kernels.logprobs import Sampling
 from parity.kernels.moe import experts_combine
 from parity.kernels.primitives import wide
 from parity.quant import fp8, mxfp4
@@ -386,8 +387,9 @@ class K3Forward:
         """Final RMSNorm then lm_head: [..., D] -> [..., V] in the activation dtype (log-probs upcast them)."""
         return self._lin(self._norm(hidden, self.names.norm), self.names.lm_head)
 
-    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        """logits: [..., V], targets: [...] -> log_softmax(logits / temperature)[target]: [...]."""
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float | Sampling) -> torch.Tensor:
+        """logits: [..., V], targets: [...] -> log_softmax(logits / temperature)[target]: [...] (a `Sampling`: under
+        its truncated distribution, `parity.kernels.logprobs`)."""
         flat = logits.reshape(-1, logits.shape[-1])
         return self.k.token_logprobs(flat, targets.reshape(-1), temperature).view(targets.shape)
 

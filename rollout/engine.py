@@ -2,8 +2,8 @@
 with zerokl's model class (`rollout.vllm_model`), in parity mode by default.
 
 What a caller gets, per sample: the prompt ids, the completion ids, the log-prob of every completion
-token under the distribution it was sampled from (fp32, `log_softmax(logits / T)`, vLLM's
-`processed_logprobs`), and the policy version (the weight version vLLM reports for the sample's tokens).
+token under the distribution it was sampled from (fp32, `log_softmax(logits / T)`, truncated by top_k / top_p /
+min_p when asked: vLLM's `processed_logprobs`), and the policy version (the weight version vLLM reports for the sample's tokens).
 With the `invariant` kernels these log-probs are bit-identical to `parity.model.score_sequences` on the
 same weights, whatever vLLM does around them: batching, chunked prefill, prefix-cache hits, preemption.
 
@@ -35,6 +35,7 @@ import torch
 
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
+from parity.kernels.logprobs import Sampling
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 from parity.sync.bundle import Message, SyncError, Transport, WeightBundle, verify
 from parity.sync.transports import SharedMemory
@@ -107,21 +108,22 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int] | str], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
-                 top_k: int | None = None, ignore_eos: bool = False,
+                 top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
                  lora: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[Sample]:
         """`n` samples per prompt, prompt-major (sample j of prompt i is entry i * n + j).
 
         prompts: token id lists or text (tokenized by the checkpoint's tokenizer).
         seed: one seed for the call (prompt i gets `sample_seed(seed, i)`) or one seed per prompt.
-        top_p / top_k: refused in parity mode (the trainer scores the full softmax).
+        top_p / top_k / min_p: truncation (`parity.kernels.logprobs.Sampling`); the log-probs are under the truncated
+        distribution (vLLM's processed log-probs), which the trainer recomputes with `Sampling`.
         lora: an adapter from `load_adapter` for every prompt, or one per prompt (None: the base model).
         """
         from vllm import SamplingParams
 
         seeds = self._prompt_seeds(prompts, seed)
         loras = self._prompt_loras(prompts, lora)
-        self._check_sampling(n, temperature, max_tokens, top_p, top_k)
-        truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k)) if v is not None}
+        self._check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
+        truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}
         requests, params, adapters = [], [], []
         for prompt, s, adapter in zip(prompts, seeds, loras):
             request = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
@@ -242,18 +244,19 @@ class RolloutEngine:
         self.close()
 
     # --- helpers --------------------------------------------------------------------------------
-    def _check_sampling(self, n: int, temperature: float, max_tokens: int, top_p: float | None,
-                        top_k: int | None) -> None:
+    @staticmethod
+    def _check_sampling(n: int, temperature: float, max_tokens: int, top_p: float | None, top_k: int | None,
+                        min_p: float | None) -> None:
         if n < 1 or max_tokens < 1:
             raise RolloutError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
         if temperature < _GREEDY_EPS:
             raise RolloutError(
                 f"temperature must be >= {_GREEDY_EPS}: vLLM samples greedily below it and then reports "
                 f"log-probs at temperature 1, which is not the distribution used (got {temperature})")
-        if self.kernels != "fast" and (top_p is not None or top_k is not None):
-            raise RolloutError(
-                "top_p/top_k are refused in parity mode: truncation changes the sampling distribution and the "
-                "trainer scores the full softmax; sample with temperature only (or use kernels='fast')")
+        try:
+            Sampling(temperature, top_k, top_p, min_p)
+        except ValueError as e:
+            raise RolloutError(str(e)) from None
 
     @staticmethod
     def _prompt_seeds(prompts: Sequence[Sequence[int] | str], seed: int | Sequence[int]) -> list[int]:

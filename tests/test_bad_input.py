@@ -84,6 +84,11 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"lora_targets": "[q_proj]"}, "lora_targets is only read with lora: true"),
     ({"lora": "true", "lora_init": "configs", "lora_alpha": "8"}, "lora_alpha is not read with lora_init"),
     ({"lora": "true", "lora_rank": "0"}, "lora_rank must be >= 1, got 0"),
+    ({"top_p": "1.5"}, "top_p must be in (0, 1], got 1.5"),
+    ({"top_k": "0"}, "top_k must be an integer >= 1, got 0"),
+    ({"top_k": "2.5"}, "top_k must be an integer"),
+    ({"min_p": "-0.1"}, "min_p must be in [0, 1], got -0.1"),
+    ({"top_p": "0.7", "kl_coef": "0.05"}, "kl_coef > 0 with top_k / top_p / min_p is refused"),
 ])
 def test_ppo_config_values_are_checked(keys: dict[str, str], says: str, k3_tiny: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:

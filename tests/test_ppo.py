@@ -15,6 +15,7 @@ commands run in this process (`zerokl.cli.main`; tests/test_cli.py runs the cons
 
 from __future__ import annotations
 
+import math
 import json
 import os
 import re
@@ -165,13 +166,15 @@ def test_minibatch_epochs_reference_kl_and_entropy_keep_zero_kl(k3_tiny_mxfp4: P
     assert "old_logprobs: rollout: the old-log-prob pass ran on 1 of 2 steps" in capsys.readouterr().out
 
 
-def test_gae_value_head_keeps_zero_kl(k3_tiny: Path, tmp_path: Path) -> None:
+def test_gae_value_head_with_truncated_sampling_keeps_zero_kl(k3_tiny: Path, tmp_path: Path) -> None:
     """configs/ppo-tiny-gae.yaml (a value head trained with the policy, 2 epochs x 2 minibatches, old values from the
-    no-grad pass, KL penalty, entropy bonus) for 2 steps: zero KL and every log-prob bitwise equal at each step, the
-    value metrics reported, the head trained and never exported. (Its save and restore, Adam state included:
-    `tests/test_trainer_backend.py::test_value_head_state_round_trip_continues_bitwise`; the loop's resume of the rest:
-    `test_kill_and_resume_is_bitwise`.)"""
-    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-gae.yaml"), model=str(k3_tiny), steps=2, wandb="disabled")
+    no-grad pass, entropy bonus) sampling with `top_k: 5, top_p: 0.7` (so without its KL penalty, which truncation
+    refuses) for 2 steps: zero KL and every log-prob bitwise equal at each step (the engine's processed log-probs =
+    the trainer's recompute of the truncation), the value metrics reported, the head trained and never exported. (Its
+    save and restore, Adam state included: `tests/test_trainer_backend.py::test_value_head_state_round_trip_continues_
+    bitwise`; the loop's resume of the rest: `test_kill_and_resume_is_bitwise`.)"""
+    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-gae.yaml"), model=str(k3_tiny), steps=2, wandb="disabled",
+                  kl_coef=0.0, top_k=5, top_p=0.7)
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
     try:
         results = [run.run_step() for _ in range(2)]
@@ -183,4 +186,5 @@ def test_gae_value_head_keeps_zero_kl(k3_tiny: Path, tmp_path: Path) -> None:
     for m in (r.metrics for r in results):
         assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
         assert m["value_loss"] > 0.0 and 0.0 <= m["vf_clipfrac"] <= 1.0 and m["explained_var"] <= 1.0, m
+        assert 0.0 < m["entropy"] < math.log(5), m  # the truncated distribution's: at most 5 tokens
     assert head.abs().sum() > 0 and not any("value" in n for n in exported)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from parity.kernels import FAST, INVARIANT, Kernels
+from parity.kernels.logprobs import Sampling
 from parity.model import K3Forward, K3Weights, score_sequences
 from parity.weights import text_specs
 from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
@@ -200,11 +201,33 @@ def test_fast_kernels_break_parity(fast_engine, weights: K3Weights) -> None:
     assert any(differs), "fast kernels gave batch-invariant log-probs"
 
 
+def test_truncated_sampling_equals_the_trainers_processed_logprobs(engine: RolloutEngine, weights: K3Weights) -> None:
+    """top_p 0.7 with top_k 5, and min_p alone: every sampled token's log-prob under the truncated distribution
+    (vLLM's processed log-probs) equals the trainer's `Sampling` recompute from its own logits, bit for bit; the
+    truncation acts (log-probs above the untruncated ones) and the negative control (the untruncated scoring)
+    differs."""
+    idx = list(range(0, 28, 3))
+    for truncation in (dict(top_p=0.7, top_k=5), dict(min_p=0.2)):
+        sampling = Sampling(TEMPERATURE, **truncation)
+        samples = engine.generate([PROMPTS[i] for i in idx], n=N, temperature=TEMPERATURE, max_tokens=MAX_TOKENS,
+                                  seed=[SEEDS[i] for i in idx], **truncation)
+        seqs = [s.prompt_ids + s.completion_ids for s in samples]
+        fwd = K3Forward(weights, INVARIANT)
+        trainer = [lp[len(s.prompt_ids) - 1 :] for lp, s in zip(score_sequences(fwd, seqs, sampling), samples)]
+        bad = [i for i, (s, t) in enumerate(zip(samples, trainer)) if not torch.equal(s.logprobs, t)]
+        assert not bad, f"{truncation}: samples {bad} differ from the trainer's processed log-probs"
+        full = [lp[len(s.prompt_ids) - 1 :] for lp, s in zip(score_sequences(fwd, seqs, TEMPERATURE), samples)]
+        assert all(torch.isfinite(s.logprobs).all() and (s.logprobs >= f).all() for s, f in zip(samples, full))
+        assert any(not torch.equal(s.logprobs, f) for s, f in zip(samples, full)), f"{truncation} truncated nothing"
+
+
 def test_refused_requests(engine: RolloutEngine) -> None:
-    with pytest.raises(RolloutError, match="top_p/top_k are refused in parity mode"):
-        engine.generate([PROMPTS[0]], top_p=0.9)
-    with pytest.raises(RolloutError, match="top_p/top_k are refused in parity mode"):
-        engine.generate([PROMPTS[0]], top_k=5)
+    with pytest.raises(RolloutError, match="top_p must be in"):
+        engine.generate([PROMPTS[0]], top_p=1.5)
+    with pytest.raises(RolloutError, match="top_k must be an integer >= 1"):
+        engine.generate([PROMPTS[0]], top_k=0)
+    with pytest.raises(RolloutError, match="min_p must be in"):
+        engine.generate([PROMPTS[0]], min_p=-0.1)
     with pytest.raises(RolloutError, match="temperature must be"):
         engine.generate([PROMPTS[0]], temperature=0.0)
     with pytest.raises(RolloutError, match="one per prompt"):

@@ -1,7 +1,9 @@
 """Per-token log-probs of a padded or packed batch in one differentiable forward, as the rollout engine defines them.
 
 lp of token t+1 of a sequence = log_softmax(logits_t / temperature)[token_{t+1}] by the parity kernels'
-`token_logprobs` (the vLLM sampler's arithmetic), with logits_t from the shared K3 forward over tokens 0..t.
+`token_logprobs` (the vLLM sampler's arithmetic), with logits_t from the shared K3 forward over tokens 0..t. Where
+`temperature` is a `parity.kernels.logprobs.Sampling` with truncation (top-k / top-p / min-p), log-probs and entropy
+are under the truncated distribution, as the engine's processed log-probs are.
 Outputs use next-token alignment (Megatron's labels = tokens shifted by one): `out[..., t]` scores token t + 1;
 the last token of each sequence and every padding position hold 0.
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from parity.kernels.logprobs import Sampling, processed_logits
 from parity.model import K3Forward, new_cache
 
 
@@ -56,7 +59,7 @@ class PackedBatch:
         return padded
 
 
-def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float,
+def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float | Sampling,
                     entropy: bool = False,
                     value_head: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One forward over right-padded rows -> lp: [B, T] (next-token aligned, zeros past each row's last
@@ -83,13 +86,17 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def next_token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per position, in fp32: [..., V] -> [...]."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+def next_token_entropy(logits: torch.Tensor, temperature: float | Sampling) -> torch.Tensor:
+    """Entropy of the sampling distribution per position (softmax(logits / temperature), truncated when `temperature`
+    is a `Sampling` that truncates), in fp32: [..., V] -> [...]; tokens outside the truncation add nothing."""
+    z = processed_logits(logits.reshape(-1, logits.shape[-1]), temperature).view(logits.shape)
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros((), dtype=p.dtype))).sum(dim=-1)  # no 0 * -inf, also in grads
 
 
-def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch, temperature: float) -> torch.Tensor:
+def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch,
+                   temperature: float | Sampling) -> torch.Tensor:
     """Per-token log-probs from `model` (a `MegatronK3Model`, or Megatron's DDP around one): [B, T] for a padded
     batch, [N] for a packed one (entry i scores token i + 1 of its sequence; 0 at each sequence's end)."""
     if isinstance(batch, PackedBatch):
@@ -99,14 +106,14 @@ def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch, tem
 
 
 def token_logprobs_and_entropy(model: torch.nn.Module, batch: PaddedBatch,
-                               temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                               temperature: float | Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` of a padded batch and the entropy of each position's next-token distribution, both [B, T]
     (`padded_logprobs` with `entropy`), from one forward."""
     return model(batch.input_ids, batch.lens, temperature, entropy=True)
 
 
 def token_logprobs_entropy_and_values(model: torch.nn.Module, batch: PaddedBatch,
-                                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                      temperature: float | Sampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`token_logprobs_and_entropy` and the value head's values (`padded_logprobs` with `value_head`), all [B, T],
     from one forward of a model with a value head."""
     return model(batch.input_ids, batch.lens, temperature, entropy=True, values=True)

@@ -13,6 +13,7 @@ import yaml
 
 from parity.config import ConfigError
 from parity.kernels import KERNEL_SETS, get_kernels
+from parity.kernels.logprobs import Sampling
 from trainer.backend import BACKENDS, DEFAULT_ZERO_STAGE, ZERO_STAGES
 from zerokl.tasks import make_task, resolve_paths
 from zerokl.ppo.algo import KL_ESTIMATORS
@@ -34,6 +35,9 @@ class PPOConfig:
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     temperature: float = 1.0
+    top_k: int | None = None  # truncation (parity.kernels.logprobs.Sampling): log-probs, loss and check under it
+    top_p: float | None = None
+    min_p: float | None = None
     max_tokens: int = 8
     lr: float = 3e-3
     clip: float = 0.2
@@ -67,6 +71,11 @@ class PPOConfig:
     lora_alpha: float | None = None  # lora only (LORA_DEFAULTS)
     lora_targets: list[str] | None = None  # target_modules suffixes; None: every supported projection
     lora_init: str | None = None  # start from this PEFT adapter directory instead of PEFT's init (B = 0)
+
+    @property
+    def sampling(self) -> Sampling:
+        """The distribution the engine samples from and the trainer scores (log-probs, entropy, the zero-KL check)."""
+        return Sampling(self.temperature, self.top_k, self.top_p, self.min_p)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -130,6 +139,14 @@ class PPOConfig:
         for name in ("temperature", "lr", "clip", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ppo config: {name} must be > 0, got {getattr(self, name)}")
+        try:
+            self.sampling
+        except ValueError as e:
+            raise ConfigError(f"ppo config: {e}") from None
+        if self.kl_coef > 0 and self.sampling != Sampling(self.temperature):
+            raise ConfigError("ppo config: kl_coef > 0 with top_k / top_p / min_p is refused: the KL to the reference "
+                              "is infinite where the two truncated distributions keep different tokens; drop the "
+                              "truncation or the KL penalty")
         for name in ("kl_coef", "entropy_coef", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ppo config: {name} must be >= 0, got {getattr(self, name)}")

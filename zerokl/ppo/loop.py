@@ -1,8 +1,9 @@
 """`zerokl ppo`: rollouts from the vLLM engine, the zero-KL check, a PPO step on the trainer backend (Megatron or
 DeepSpeed ZeRO, `trainer.backend`), weight sync back into the engine, every step.
 
-Per step: sample prompts from the task -> `RolloutEngine.generate` (n samples each, temperature sampling,
-log-probs of the sampled tokens, tagged with the policy version) -> rule-based rewards -> GRPO advantages
+Per step: sample prompts from the task -> `RolloutEngine.generate` (n samples each, temperature sampling truncated by
+`top_k` / `top_p` / `min_p` when set, log-probs of the sampled tokens under the distribution sampled from (vLLM's
+processed log-probs), tagged with the policy version) -> rule-based rewards -> GRPO advantages
 (or GAE with a value head, below) -> the trainer. Before any update, the trainer's log-probs of the sampled tokens at the generating policy version
 must equal the rollout log-probs bit for bit (KL = 0, every ratio exactly 1); otherwise the run stops with a
 first-divergence diagnosis (or only reports it with `on_mismatch: warn`). With one update per step that check is
@@ -21,7 +22,9 @@ no-grad pass except every `parity_check_every` steps; on the other steps the che
 update, whose forward runs at the generating version anyway (`parity_checked_frac` says which share was checked).
 With `kl_coef > 0` the loss adds a KL penalty (`kl_estimator` k1 or k3) to a frozen reference policy (the starting
 checkpoint or `ref_model`), whose log-probs rank 0 computes with the shared forward; `entropy_coef` subtracts the
-policy's mean entropy; `kl_ref` and `entropy` are reported.
+policy's mean entropy; `kl_ref` and `entropy` are reported. With truncation the trainer's log-probs and entropy are
+under the truncated distribution too (`cfg.sampling`: the mask recomputed from the trainer's own logits, bitwise the
+engine's), so the check, the ratios and the loss all read the policy that sampled; a KL penalty is then refused.
 
 With `advantage: gae` the critic is a value head on the policy's trunk (`MegatronK3Model.add_value_head`: an fp32
 affine map, weights and a bias, of the final-normed hidden state, zero at the start), trained jointly: the loss adds
@@ -267,6 +270,7 @@ class PPORun:
         prompts = [self.tokenizer.encode(p.prompt).ids for p in problems]
         t0 = time.perf_counter()
         samples = self.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
+                                       top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
                                        max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, self.step),
                                        lora=self.engine.policy_adapter)
         t_roll = time.perf_counter() - t0
@@ -345,7 +349,7 @@ class PPORun:
 
             def loss_fn(model: torch.nn.Module) -> torch.Tensor:
                 forward = token_logprobs_entropy_and_values if gae else token_logprobs_and_entropy
-                lp, ent, *value = (x.gather(1, index[rows]) for x in forward(model, sub, cfg.temperature))
+                lp, ent, *value = (x.gather(1, index[rows]) for x in forward(model, sub, cfg.sampling))
                 if "parity" not in report:  # the step's first update runs at the generating version: its rows' check,
                     first_update.append((lp.detach(), rows))  # once its last pass is in, before its optimizer step
                     if sum(len(r) for _, r in first_update) == len(minibatch):
@@ -375,11 +379,11 @@ class PPORun:
             recompute = gae_pass or (updates > 1 and (cfg.old_logprobs == "recompute"
                                                       or self.step % cfg.parity_check_every == 0))
             if gae_pass:  # the old-log-prob pass, with the old values
-                lp, values = self.backend.logprobs_and_values(batch, cfg.temperature)
+                lp, values = self.backend.logprobs_and_values(batch, cfg.sampling)
                 check(lp.gather(1, index), torch.arange(n))
                 set_gae_targets(values.gather(1, index))
             elif recompute:  # the old-log-prob pass: every sample at the generating version, before any update
-                check(self.backend.logprobs(batch, cfg.temperature).gather(1, index), torch.arange(n))
+                check(self.backend.logprobs(batch, cfg.sampling).gather(1, index), torch.arange(n))
             t_old = time.perf_counter() - t1
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
