@@ -169,12 +169,15 @@ def test_minibatch_epochs_reference_kl_and_entropy_keep_zero_kl(k3_tiny_mxfp4: P
 def test_gae_value_head_with_truncated_sampling_keeps_zero_kl(k3_tiny: Path, tmp_path: Path) -> None:
     """configs/ppo-tiny-gae.yaml (a value head trained with the policy, 2 epochs x 2 minibatches, old values from the
     no-grad pass, entropy bonus) sampling with `top_k: 5, top_p: 0.7` (so without its KL penalty, which truncation
-    refuses) for 2 steps: zero KL and every log-prob bitwise equal at each step (the engine's processed log-probs =
+    refuses), on a user dataset scored by a user reward function (`task: jsonl`, configs/rewards/example_reward.py)
+    for 2 steps: zero KL and every log-prob bitwise equal at each step (the engine's processed log-probs =
     the trainer's recompute of the truncation), the value metrics reported, the head trained and never exported. (Its
     save and restore, Adam state included: `tests/test_trainer_backend.py::test_value_head_state_round_trip_continues_
     bitwise`; the loop's resume of the rest: `test_kill_and_resume_is_bitwise`.)"""
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-gae.yaml"), model=str(k3_tiny), steps=2, wandb="disabled",
-                  kl_coef=0.0, top_k=5, top_p=0.7)
+                  kl_coef=0.0, top_k=5, top_p=0.7, task="jsonl",
+                  task_args={"path": str(REPO / "configs/data/word-problems.jsonl"),
+                             "reward": f"{REPO / 'configs/rewards/example_reward.py'}:score"})
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
     try:
         results = [run.run_step() for _ in range(2)]

@@ -66,7 +66,8 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     scored token). Same calls as `parity.model.score_sequences`, so the same bits. With `entropy`, also the
     entropy of each position's next-token distribution softmax(logits / temperature), aligned and zeroed alike
     (fp32, differentiable; a loss term, not part of the parity contract). With `value_head` ([1, D + 1] fp32: weights,
-    then a bias), also the values: w . final_norm(hidden) + bias at each position (the value before the token it
+    then a bias), also the values: w . final_norm(hidden) / D + bias at each position (D = hidden size: a mean-field readout,
+so an Adam step of size lr on w moves a value by about lr, as one on the bias does, whatever D) (the value before the token it
     predicts), aligned and zeroed alike, fp32, computed beside the logits (their bits are untouched). Returns lp, or
     (lp, [entropy,] [values])."""
     b, t = input_ids.shape
@@ -81,7 +82,7 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
         out.append(F.pad(torch.where(scored, next_token_entropy(logits, temperature), zero), (0, 1)))
     if value_head is not None:
         normed = fwd.k.rmsnorm(hidden[:, :-1], fwd.weight(fwd.names.norm), fwd.cfg.rms_norm_eps)
-        values = (normed.float() @ value_head[:, :-1].t()).squeeze(-1) + value_head[0, -1]
+        values = (normed.float() @ value_head[:, :-1].t()).squeeze(-1) / normed.shape[-1] + value_head[0, -1]
         out.append(F.pad(torch.where(scored, values, zero), (0, 1)))
     return out[0] if len(out) == 1 else tuple(out)
 

@@ -280,7 +280,8 @@ class MegatronK3Model(MegatronModule):
 
     def add_value_head(self) -> None:
         """A critic for GAE: a [1, hidden + 1] fp32 affine map (weights, then a bias: the mean return needs no
-        direction in the hidden state) of the final-normed hidden state, zero-initialised (every value 0 at the
+        direction in the hidden state) of the final-normed hidden state, its weight term divided by the hidden size
+        (`trainer.logprobs.padded_logprobs`), zero-initialised (every value 0 at the
         start), trained with the trunk. Not an official tensor: exports and syncs never see it. Call before wrapping in
         DDP (which registers trainable parameters)."""
         if self.value_head is not None:

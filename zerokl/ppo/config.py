@@ -19,7 +19,7 @@ from zerokl.tasks import make_task, resolve_paths
 from zerokl.ppo.algo import KL_ESTIMATORS
 
 
-GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2, "value_lr": 1e-4}  # only gae reads
+GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2, "value_lr": 1e-2}  # only gae reads
 LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0}  # with lora: true and no lora_init (PEFT's init)
 LORA_INIT_KEYS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter from lora_init brings itself
 

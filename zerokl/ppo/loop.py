@@ -27,7 +27,8 @@ under the truncated distribution too (`cfg.sampling`: the mask recomputed from t
 engine's), so the check, the ratios and the loss all read the policy that sampled; a KL penalty is then refused.
 
 With `advantage: gae` the critic is a value head on the policy's trunk (`MegatronK3Model.add_value_head`: an fp32
-affine map, weights and a bias, of the final-normed hidden state, zero at the start), trained jointly: the loss adds
+affine map, weights and a bias, of the final-normed hidden state, the weight term divided by the hidden size, zero at
+the start), trained jointly: the loss adds
 `vf_coef` x the clipped value loss (`zerokl.ppo.algo.value_loss`, `value_clip` around the old values) and one
 optimizer step updates both, the head in its own Adam group at `value_lr`. The value before completion token j is read
 at the position whose hidden state predicts j (the log-prob's `index`). Old values are the generating version's: with
