@@ -46,6 +46,7 @@ class PPOConfig:
     micro_batch_size: int | None = None  # samples per forward/backward within a minibatch (gradient accumulation)
     old_logprobs: str = "recompute"  # recompute: a no-grad pass before the updates; rollout: the engine's (bitwise)
     parity_check_every: int = 1  # with old_logprobs: rollout, the full recompute (zero-KL check) every N steps
+    max_staleness: int = 0  # k > 0: step t+k's rollouts are generated (by version t) while step t trains
     kl_coef: float = 0.0  # > 0: a KL penalty to the reference policy in the loss
     kl_estimator: str = "k3"  # k1 or k3 (zerokl.ppo.algo.kl_to_reference)
     ref_model: str | None = None  # the reference: this checkpoint directory; None: the run's starting checkpoint
@@ -91,6 +92,18 @@ class PPOConfig:
             raise ConfigError("ppo config: old_logprobs 'rollout' skips the old-log-prob pass that only runs with "
                               "several updates per step; with ppo_epochs x num_minibatches = 1 the update's own "
                               "forward is the check already: use old_logprobs: recompute")
+        if self.max_staleness < 0:
+            raise ConfigError(f"ppo config: max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness:
+            for key, value, why in (("advantage", "gae", "GAE's old values would need the critic at the generating "
+                                     "version"), ("lora", True, "only full-weight versions are kept for the check"),
+                                    ("backend", "deepspeed", "rank 0 alone keeps the earlier versions")):
+                if getattr(self, key) == value:
+                    raise ConfigError(f"ppo config: max_staleness > 0 with {key}: {str(value).lower()} is not "
+                                      f"supported ({why}); set max_staleness: 0")
+            if self.old_logprobs == "rollout":
+                raise ConfigError("ppo config: old_logprobs is not read with max_staleness > 0 (old log-probs are the "
+                                  "rollout's and the check runs on the kept generating version every step); drop it")
         if self.parity_check_every != 1 and self.old_logprobs != "rollout":
             raise ConfigError("ppo config: parity_check_every is only read with old_logprobs: rollout (recompute "
                               "checks every step)")

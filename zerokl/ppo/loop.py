@@ -40,6 +40,15 @@ and checkpoints' official weights never see it) and is saved with the trainer st
 optimizer's). `value_loss`, `vf_clipfrac` and `explained_var` (at the generating version) are reported. GAE runs on
 the megatron backend, without LoRA.
 
+With `max_staleness: k` (one-step-off style, as verl's and AReaL's asynchronous trainers run) rank 0 queues each
+step's generation on a background thread k steps ahead: step t+k's rollouts are generated with version t while step t
+trains, no weight sync starts while a generation is queued (`_drain`), and the serving weights of the last k versions
+are kept. A step's samples carry the version that generated them; when it is older than the trainer's, the zero-KL
+check runs on the kept weights of that version through the shared forward (no-grad, before any update: the bits the
+trainer's forward had then, which the engine's equal), so `kl` stays exactly 0 and `staleness` says how old the
+samples were; old log-probs are the rollout's and the updates are off-policy from the first (`ppo_kl`). The queued
+rollouts and the kept weights are checkpointed (`ahead.pt`), so a resumed run trains on the same samples.
+
 Everything the next step depends on (weights, optimizer state, RNG states (the task samples by the run's Random alone), policy version) is
 checkpointed, so a resumed run reproduces an uninterrupted one bit for bit.
 
@@ -64,8 +73,11 @@ import random
 import re
 import shutil
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -132,6 +144,7 @@ def step_seed(seed: int, step: int) -> int:
 # vLLM engine settings for PPO rollouts on CPU: prompts + completions are short; vLLM-CPU refuses to start
 # unless `gpu_memory_utilization` x node memory is free, so ask for half, not its default 0.92.
 STATE_FILE = "state.json"  # in a checkpoint: step, version, RNG states, config, process count
+AHEAD_FILE = "ahead.pt"  # with max_staleness: the rollouts generated ahead and the kept serving weights
 
 ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
 
@@ -175,10 +188,17 @@ class PPORun:
         self.rng = random.Random(cfg.seed)
         self.step = 0
         self.version = 0
+        # max_staleness: rollouts generated ahead (step -> its `_rollout` result), in a background thread, and the
+        # serving weights of the versions they may come from (rank 0)
+        self.ahead: deque[tuple[int, Future]] = deque()
+        self.generator = ThreadPoolExecutor(1, "rollout") if cfg.max_staleness and self.rank0 else None
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
         self.last_sync: SyncResult | None = None
         self.full_sync: SyncResult | None = None
         if resume is not None:
             self._load_state(resume)
+        elif self.generator is not None:
+            self.kept[0] = self._kept_copy(self._export_base())
         if adapter is not None:
             self._start_lora(adapter)
 
@@ -229,6 +249,10 @@ class PPORun:
             shutil.rmtree(tmp, ignore_errors=True)
         self.backend.save_state(tmp)
         if self.rank0:
+            if self.generator is not None:  # the rollouts generated ahead and the versions they came from
+                self._drain()
+                torch.save({"ahead": [(step, future.result()) for step, future in self.ahead], "kept": self.kept},
+                           tmp / AHEAD_FILE)
             task_rng = self.rng.getstate()
             state = {"step": self.step, "version": self.version, "task_rng": [task_rng[0], list(task_rng[1]), task_rng[2]],
                      "torch_rng": torch.get_rng_state().tolist(), "config": asdict(self.cfg),
@@ -244,6 +268,13 @@ class PPORun:
         self.rng.setstate((version, tuple(internal), gauss))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.step, self.version = state["step"], state["version"]
+        if self.generator is not None:
+            ahead = torch.load(path / AHEAD_FILE, weights_only=False)
+            self.kept = ahead["kept"]
+            for step, rolled in ahead["ahead"]:
+                future: Future = Future()
+                future.set_result(rolled)
+                self.ahead.append((step, future))
         if self.version and not self.cfg.lora:
             weights = self._export_base()
             if self.rank0:
@@ -260,25 +291,61 @@ class PPORun:
         with torch.no_grad():
             return padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.temperature).gather(1, index)
 
+    @staticmethod
+    def _kept_copy(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A copy of serving weights to keep: an export may hand out the trainer's own tensors (fp32 masters served as
+        they are), which the next optimizer step changes in place."""
+        return {n: t.detach().clone() for n, t in weights.items()}
+
+    def _kept_logprobs(self, version: int, batch: Any, index: torch.Tensor) -> torch.Tensor:
+        """Rank 0 (max_staleness runs on one process): the log-probs of the sampled tokens [N, T] under the kept
+        serving weights of `version`, through the shared forward: the bits the trainer's forward had at that version
+        (the engine's equal both)."""
+        from trainer.logprobs import padded_logprobs
+
+        weights = K3Weights.from_official(self.backend.model_cfg.text, self.kept[version])
+        with torch.no_grad():
+            lp = padded_logprobs(K3Forward(weights, get_kernels(self.cfg.kernels)), batch.input_ids, batch.lens,
+                                 self.cfg.sampling)
+        return lp.gather(1, index)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t != self.eos])
 
-    def _rollout(self) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
-        """Rank 0: this step's prompts through the engine -> (samples, rewards, rollout seconds, the policy versions
-        of samples not drawn from the trainer's version)."""
+    def _rollout(self, step: int) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
+        """Rank 0: step `step`'s prompts through the engine -> (samples, rewards, rollout seconds, each sample's
+        policy version)."""
         cfg = self.cfg
         problems = [self.task.sample(self.rng) for _ in range(cfg.prompts_per_step)]
         prompts = [self.tokenizer.encode(p.prompt).ids for p in problems]
         t0 = time.perf_counter()
         samples = self.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
                                        top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
-                                       max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, self.step),
+                                       max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, step),
                                        lora=self.engine.policy_adapter)
         t_roll = time.perf_counter() - t0
-        stale = [s.policy_version for s in samples if s.policy_version != self.version]
         rewards = torch.tensor([self.task.reward(self._decode(s.completion_ids), problems[i // cfg.samples_per_prompt])
                                 for i, s in enumerate(samples)])
-        return [Rollout(s.prompt_ids, s.completion_ids, s.logprobs) for s in samples], rewards, t_roll, stale
+        return ([Rollout(s.prompt_ids, s.completion_ids, s.logprobs) for s in samples], rewards, t_roll,
+                [s.policy_version for s in samples])
+
+    def _next_rollout(self) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
+        """Rank 0: this step's rollouts. With max_staleness k, steps up to `step + k` are queued on the background
+        generator (each generated with the engine's weights when its turn comes: no sync runs while one is queued,
+        `_drain`), and this step's is taken from the queue; else generated now."""
+        if self.generator is None:
+            return self._rollout(self.step)
+        while len(self.ahead) <= self.cfg.max_staleness:
+            step = self.step + len(self.ahead)
+            self.ahead.append((step, self.generator.submit(self._rollout, step)))
+        step, future = self.ahead.popleft()
+        assert step == self.step
+        return future.result()
+
+    def _drain(self) -> None:
+        """Rank 0: wait until every queued generation has finished (before a weight sync or a checkpoint)."""
+        for _, future in self.ahead:
+            future.result()
 
     def run_step(self) -> StepResult:
         """One PPO step. Collective: every rank gets rank 0's samples and runs the same trainer step."""
@@ -288,15 +355,17 @@ class PPORun:
         rolled: Any = None
         if self.rank0:
             try:
-                rolled = self._rollout()
+                rolled = self._next_rollout()
             except RewardError as e:  # every rank stops with it, none waits in the broadcast
                 rolled = RewardError(str(e))
         rolled = self.backend.broadcast(rolled)
         if isinstance(rolled, RewardError):
             raise rolled
-        samples, rewards, t_roll, stale = rolled
-        if stale:
-            raise StaleRollout(f"rollouts sampled with policy version {stale[0]}, trainer holds {self.version}")
+        samples, rewards, t_roll, versions = rolled
+        generated = versions[0]
+        if set(versions) != {generated} or not self.version - cfg.max_staleness <= generated <= self.version:
+            raise StaleRollout(f"rollouts sampled with policy versions {sorted(set(versions))}, trainer holds "
+                               f"{self.version} (max_staleness {cfg.max_staleness})")
         gae = cfg.advantage == "gae"
         seqs = [s.prompt_ids + s.completion_ids for s in samples]
         batch = PaddedBatch.from_sequences(seqs)
@@ -379,7 +448,10 @@ class PPORun:
             gae_pass = gae and (updates > 1 or cfg.micro_batch_size is not None)  # old values before any update
             recompute = gae_pass or (updates > 1 and (cfg.old_logprobs == "recompute"
                                                       or self.step % cfg.parity_check_every == 0))
-            if gae_pass:  # the old-log-prob pass, with the old values
+            if generated != self.version:  # stale rollouts: the check runs on the kept generating version
+                recompute = True
+                check(self._kept_logprobs(generated, batch, index), torch.arange(n))
+            elif gae_pass:  # the old-log-prob pass, with the old values
                 lp, values = self.backend.logprobs_and_values(batch, cfg.sampling)
                 check(lp.gather(1, index), torch.arange(n))
                 set_gae_targets(values.gather(1, index))
@@ -394,10 +466,11 @@ class PPORun:
                     losses.append(loss)
                     norms.append(grad_norm)
         except ParityViolation:
-            return StepResult(self._metrics(report, rewards, samples, t_roll, None), self._diagnose(report, samples))
+            return StepResult(self._metrics(report, rewards, samples, t_roll, None, self.version - generated),
+                              self._diagnose(report, samples))
         loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
         t_train = time.perf_counter() - t1
-        metrics = self._metrics(report, rewards, samples, t_roll, t_train)
+        metrics = self._metrics(report, rewards, samples, t_roll, t_train, self.version - generated)
         t2 = time.perf_counter()
         self._sync_new_version()
         metrics.update(old_logprob_recomputed=float(recompute), time_ref=t_ref, time_old_logprob=t_old,
@@ -430,6 +503,7 @@ class PPORun:
             error = (f"the trained weights cannot be synced ({e}); the rollout engine stays on version "
                      f"{self.engine.policy_version}")
         if self.rank0 and error is None:
+            self._drain()  # the queued generations keep the version they started with
             try:
                 self.sync(bundle)
             except SyncError as e:
@@ -439,9 +513,12 @@ class PPORun:
         if error is not None:
             raise SyncFailed(error)
         self.version = bundle.version
+        if self.generator is not None:  # the versions queued or future rollouts may come from
+            self.kept[self.version] = self._kept_copy(bundle.tensors)
+            self.kept = {v: w for v, w in self.kept.items() if v >= self.version - self.cfg.max_staleness}
 
     def _metrics(self, report: dict[str, Any], rewards: torch.Tensor, samples: list[Any], t_roll: float,
-                 t_train: float | None) -> dict[str, float]:
+                 t_train: float | None, staleness: int) -> dict[str, float]:
         rep = report["parity"]
         gen_tokens = sum(len(s.completion_ids) for s in samples)
         train_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
@@ -449,6 +526,7 @@ class PPORun:
                "bitwise_equal_frac": rep.bitwise_equal / max(rep.tokens, 1),
                "parity_checked_frac": report["checked"] / len(samples), "reward_mean": float(rewards.mean()),
                "response_length_mean": gen_tokens / len(samples), "policy_version": self.version,
+               "staleness": staleness,
                "time_gen": t_roll, "rollout_tokens_per_s": gen_tokens / t_roll,
                "train_tokens_per_s": train_tokens / t_train if t_train else 0.0}
         return out
@@ -478,6 +556,8 @@ class PPORun:
         return self.backend.broadcast(text)
 
     def close(self) -> None:
+        if self.generator is not None:
+            self.generator.shutdown(cancel_futures=True)
         if self.engine is not None:
             self.engine.close()
         self.backend.close()
