@@ -641,6 +641,19 @@ def test_gpu_attention_bf16_decode_equals_prefill(gpu: Platform) -> None:
 
 # --- GPU only: the whole K3 forward ---------------------------------------------------------------
 
+def _k3_tiny_model(config: str) -> tuple:
+    """(config, random official weights, seed 0) of k3-tiny in fp32 ('k3-tiny') or k3-tiny-mxfp4 (bf16 numerics)."""
+    import dataclasses
+
+    from parity.config import load_model_config
+    from parity.io.checkpoint import random_weights
+
+    cfg = load_model_config(f"configs/{config}.yaml")
+    if config == "k3-tiny":
+        cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, torch_dtype="float32"))
+    return cfg, random_weights(cfg, seed=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4"])
 def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str) -> None:
@@ -648,18 +661,11 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
     inside the GEMM, an FP8 paged latent pool): sequences scored in one batched pass equal, bit for bit, the same
     sequences generated token by token (prefill split, then decode) through a paged MLA cache and the chunked KDA
     state; in fp32 they agree with the CPU invariant forward within fp32 round-off."""
-    import dataclasses
-
-    from parity.config import load_model_config
     from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
-    from parity.io.checkpoint import random_weights
     from parity.quant import fp8
     from rollout.paged_pool import PagedLatentPool
 
-    cfg = load_model_config(f"configs/{config}.yaml")
-    if config == "k3-tiny":
-        cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, torch_dtype="float32"))
-    official = random_weights(cfg, seed=0)
+    cfg, official = _k3_tiny_model(config)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(4, 1024, (n,), generator=g).tolist() for n in (150, 97, 40)]
     cpu_lp = score_sequences(K3Forward(K3Weights.from_official(cfg.text, official), INVARIANT), seqs[2:])[0]
@@ -691,19 +697,12 @@ def test_gpu_graphed_decode_equals_eager(gpu: Platform, config: str) -> None:
     """Batched decode captured in a CUDA graph (`rollout.decode_graph`) gives the eager step's logits bit for bit,
     step after step, over a paged latent pool and the chunked KDA state (rows of different lengths; decode crosses a
     64-token KDA chunk boundary), in fp32 and in K3's numerics (bf16, MXFP4 experts, FP8 latents)."""
-    import dataclasses
-
-    from parity.config import load_model_config
-    from parity.io.checkpoint import random_weights
     from parity.model import K3Forward, K3Weights, MLACache, new_cache
     from parity.quant import fp8
     from rollout.decode_graph import GraphedDecode
     from rollout.paged_pool import PagedLatentPool
 
-    cfg = load_model_config(f"configs/{config}.yaml")
-    if config == "k3-tiny":
-        cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, torch_dtype="float32"))
-    official = random_weights(cfg, seed=0)
+    cfg, official = _k3_tiny_model(config)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(4, 1024, (n,), generator=g).tolist() for n in (60, 33, 5)]
     steps = 8
