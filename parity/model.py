@@ -387,7 +387,8 @@ class K3Forward:
         """Final RMSNorm then lm_head: [..., D] -> [..., V] in the activation dtype (log-probs upcast them)."""
         return self._lin(self._norm(hidden, self.names.norm), self.names.lm_head)
 
-    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float | Sampling) -> torch.Tensor:
+    def token_logprobs(self, logits: torch.Tensor, targets: torch.Tensor,
+                       temperature: float | Sampling) -> torch.Tensor:
         """logits: [..., V], targets: [...] -> log_softmax(logits / temperature)[target]: [...] (a `Sampling`: under
         its truncated distribution, `parity.kernels.logprobs`)."""
         flat = logits.reshape(-1, logits.shape[-1])

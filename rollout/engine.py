@@ -3,7 +3,8 @@ with zerokl's model class (`rollout.vllm_model`), in parity mode by default.
 
 What a caller gets, per sample: the prompt ids, the completion ids, the log-prob of every completion
 token under the distribution it was sampled from (fp32, `log_softmax(logits / T)`, truncated by top_k / top_p /
-min_p when asked: vLLM's `processed_logprobs`), and the policy version (the weight version vLLM reports for the sample's tokens).
+min_p when asked: vLLM's `processed_logprobs`), and the policy version (the weight version vLLM reports for the
+sample's tokens).
 With the `invariant` kernels these log-probs are bit-identical to `parity.model.score_sequences` on the
 same weights, whatever vLLM does around them: batching, chunked prefill, prefix-cache hits, preemption.
 

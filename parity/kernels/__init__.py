@@ -27,8 +27,9 @@ def get_kernels(name: str) -> Kernels:
 
     On a machine with CUDA, 'invariant' runs the Triton kernels on CUDA tensors and the CPU kernels on CPU
     tensors (`parity.kernels.triton.DEVICE_INVARIANT`, chosen per call by the input's device); Triton is
-    imported only there. 'fast' there runs the routed experts as `torch._grouped_mm` (`FAST_GROUPED`). 'triton' is the Triton kernels on every tensor: CUDA, or CPU tensors in a process
-    started with TRITON_INTERPRET=1 (Triton's interpreter; slow, for tests)."""
+    imported only there. 'fast' there runs the routed experts as `torch._grouped_mm` (`FAST_GROUPED`). 'triton' is
+    the Triton kernels on every tensor: CUDA, or CPU tensors in a process started with TRITON_INTERPRET=1 (Triton's
+    interpreter; slow, for tests)."""
     if name == "invariant":
         if torch.cuda.is_available():
             from parity.kernels.triton import DEVICE_INVARIANT

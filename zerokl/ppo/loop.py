@@ -74,10 +74,10 @@ import re
 import shutil
 import time
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
