@@ -29,4 +29,4 @@ PYTEST_WORKERS ?= 2
 test: export OMP_NUM_THREADS ?= $(shell n=$$(( $$(nproc) / $(PYTEST_WORKERS) )); echo $$(( n > 0 ? n : 1 )))
 
 test: install
-	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)

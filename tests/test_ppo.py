@@ -175,7 +175,7 @@ def test_gae_value_head_with_truncated_sampling_keeps_zero_kl(k3_tiny: Path, tmp
     save and restore, Adam state included: `tests/test_trainer_backend.py::test_value_head_state_round_trip_continues_
     bitwise`; the loop's resume of the rest: `test_kill_and_resume_is_bitwise`.)"""
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-gae.yaml"), model=str(k3_tiny), steps=2, wandb="disabled",
-                  kl_coef=0.0, top_k=5, top_p=0.7, task="jsonl",
+                  prompts_per_step=4, kl_coef=0.0, top_k=5, top_p=0.7, task="jsonl",
                   task_args={"path": str(REPO / "configs/data/word-problems.jsonl"),
                              "reward": f"{REPO / 'configs/rewards/example_reward.py'}:score"})
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
@@ -200,7 +200,7 @@ def test_one_step_off_rollouts_keep_zero_kl_and_resume_bitwise(k3_tiny: Path, tm
     off-policy from the first (`ppo_kl` != 0). A run resumed from the step-2 checkpoint (the rollout generated ahead and
     the kept version restored from it) reproduces step 2 and the final weights bit for bit."""
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-async.yaml"), model=str(k3_tiny), steps=3,
-                  prompts_per_step=4, wandb="disabled")
+                  prompts_per_step=2, wandb="disabled")
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
     try:
         results = []
