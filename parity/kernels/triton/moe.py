@@ -91,7 +91,8 @@ def _tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tenso
     Returns (order [N*k] slot index by sorted position, tile_expert, tile_start (sorted position of the tile's first
     row), tile_rows (valid rows), each [n_tiles]). n_tiles is a bound known from the shapes alone,
     cdiv(N*k, block_m) + min(E, N*k) (each expert hit adds at most one partial tile), so nothing is read back to the
-    host (CUDA-graph capturable); tiles past the real ones have 0 rows and their programs return at once."""
+    host (CUDA-graph capturable); tiles past the real ones have 0 rows and their programs return at once. Under
+    Triton's interpreter n_tiles is the exact count."""
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
     counts = expert_counts(flat, n_experts)
@@ -99,6 +100,8 @@ def _tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tenso
     per_expert = (counts + block_m - 1) // block_m
     ends = torch.cumsum(per_expert, 0)  # tiles of experts 0..e
     bound = -(-flat.numel() // block_m) + min(n_experts, flat.numel())
+    if INTERPRET:  # CPU tensors under the interpreter, which pays per program: the exact count (no graph there)
+        bound = int(ends[-1])
     tile = torch.arange(bound, device=ids.device)
     tile_expert = torch.searchsorted(ends, tile, right=True).clamp(max=n_experts - 1)
     j = tile - (ends - per_expert)[tile_expert]  # tile index within its expert
