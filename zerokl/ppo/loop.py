@@ -251,8 +251,7 @@ class PPORun:
         if self.rank0:
             if self.generator is not None:  # the rollouts generated ahead and the versions they came from
                 self._drain()
-                torch.save({"ahead": [(step, future.result()) for step, future in self.ahead], "kept": self.kept},
-                           tmp / AHEAD_FILE)
+                torch.save(_ahead_record(self.ahead, self.kept), tmp / AHEAD_FILE)
             task_rng = self.rng.getstate()
             state = {"step": self.step, "version": self.version, "task_rng": [task_rng[0], list(task_rng[1]), task_rng[2]],
                      "torch_rng": torch.get_rng_state().tolist(), "config": asdict(self.cfg),
@@ -269,12 +268,7 @@ class PPORun:
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.step, self.version = state["step"], state["version"]
         if self.generator is not None:
-            ahead = torch.load(path / AHEAD_FILE, weights_only=False)
-            self.kept = ahead["kept"]
-            for step, rolled in ahead["ahead"]:
-                future: Future = Future()
-                future.set_result(rolled)
-                self.ahead.append((step, future))
+            self.ahead, self.kept = _from_ahead_record(torch.load(path / AHEAD_FILE, weights_only=True))
         if self.version and not self.cfg.lora:
             weights = self._export_base()
             if self.rank0:
@@ -283,13 +277,17 @@ class PPORun:
 
     # --- one step -----------------------------------------------------------------------------------
     def _reference_logprobs(self, batch: Any, index: torch.Tensor) -> torch.Tensor | None:
-        """Rank 0: the reference policy's log-probs of the sampled tokens [N, T] (None without a KL penalty)."""
+        """Rank 0: the reference policy's log-probs of the sampled tokens [N, T] (None without a KL penalty; with one
+        the sampling has no truncation, the config refuses it)."""
+        return None if self.reference is None else self._shared_forward_logprobs(self.reference, batch, index)
+
+    def _shared_forward_logprobs(self, fwd: K3Forward, batch: Any, index: torch.Tensor) -> torch.Tensor:
+        """The log-probs of the sampled tokens [N, T] by the shared forward `fwd` (no grad), under the run's sampling
+        distribution."""
         from trainer.logprobs import padded_logprobs
 
-        if self.reference is None:
-            return None
         with torch.no_grad():
-            return padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.temperature).gather(1, index)
+            return padded_logprobs(fwd, batch.input_ids, batch.lens, self.cfg.sampling).gather(1, index)
 
     @staticmethod
     def _kept_copy(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -301,13 +299,8 @@ class PPORun:
         """Rank 0 (max_staleness runs on one process): the log-probs of the sampled tokens [N, T] under the kept
         serving weights of `version`, through the shared forward: the bits the trainer's forward had at that version
         (the engine's equal both)."""
-        from trainer.logprobs import padded_logprobs
-
         weights = K3Weights.from_official(self.backend.model_cfg.text, self.kept[version])
-        with torch.no_grad():
-            lp = padded_logprobs(K3Forward(weights, get_kernels(self.cfg.kernels)), batch.input_ids, batch.lens,
-                                 self.cfg.sampling)
-        return lp.gather(1, index)
+        return self._shared_forward_logprobs(K3Forward(weights, get_kernels(self.cfg.kernels)), batch, index)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t != self.eos])
@@ -561,6 +554,29 @@ class PPORun:
         if self.engine is not None:
             self.engine.close()
         self.backend.close()
+
+
+def _ahead_record(ahead: deque[tuple[int, Future]], kept: dict[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """The rollouts generated ahead (finished) and the kept serving weights as plain lists, dicts and tensors, which
+    `torch.load(weights_only=True)` reads back without running code."""
+    rows = []
+    for step, future in ahead:
+        samples, rewards, seconds, versions = future.result()
+        rows.append({"step": step, "prompt_ids": [s.prompt_ids for s in samples],
+                     "completion_ids": [s.completion_ids for s in samples], "logprobs": [s.logprobs for s in samples],
+                     "rewards": rewards, "seconds": seconds, "versions": versions})
+    return {"ahead": rows, "kept": {str(v): w for v, w in kept.items()}}
+
+
+def _from_ahead_record(record: dict[str, Any]) -> tuple[deque[tuple[int, Future]], dict[int, dict[str, torch.Tensor]]]:
+    """`_ahead_record` read back: the queue of finished rollouts and the kept weights by version."""
+    ahead: deque[tuple[int, Future]] = deque()
+    for row in record["ahead"]:
+        future: Future = Future()
+        samples = [Rollout(p, c, lp) for p, c, lp in zip(row["prompt_ids"], row["completion_ids"], row["logprobs"])]
+        future.set_result((samples, row["rewards"], row["seconds"], row["versions"]))
+        ahead.append((row["step"], future))
+    return ahead, {int(v): w for v, w in record["kept"].items()}
 
 
 def base_checkpoint(cfg: PPOConfig, out: Path) -> Path:
