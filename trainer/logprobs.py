@@ -66,10 +66,10 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     scored token). Same calls as `parity.model.score_sequences`, so the same bits. With `entropy`, also the
     entropy of each position's next-token distribution softmax(logits / temperature), aligned and zeroed alike
     (fp32, differentiable; a loss term, not part of the parity contract). With `value_head` ([1, D + 1] fp32: weights,
-    then a bias), also the values: w . final_norm(hidden) / D + bias at each position (D = hidden size: a mean-field readout,
-so an Adam step of size lr on w moves a value by about lr, as one on the bias does, whatever D) (the value before the token it
-    predicts), aligned and zeroed alike, fp32, computed beside the logits (their bits are untouched). Returns lp, or
-    (lp, [entropy,] [values])."""
+    then a bias), also the values: w . final_norm(hidden) / D + bias at each position, the value before the token it
+    predicts (D = hidden size: a mean-field readout, so an Adam step of size lr on w moves a value by about lr, as one
+    on the bias does, whatever D), aligned and zeroed alike, fp32, computed beside the logits (their bits are
+    untouched). Returns lp, or (lp, [entropy,] [values])."""
     b, t = input_ids.shape
     pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
     hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype))

@@ -52,6 +52,11 @@ class Sampling:
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
+    @property
+    def truncates(self) -> bool:
+        """Whether any truncation is asked for (beyond the temperature)."""
+        return (self.top_k, self.top_p, self.min_p) != (None, None, None)
+
 
 def as_sampling(sampling: float | Sampling) -> Sampling:
     """A temperature alone is sampling without truncation."""
@@ -94,5 +99,5 @@ def token_logprobs_invariant(logits: torch.Tensor, tokens: torch.Tensor, tempera
 def token_logprobs_fast(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | Sampling) -> torch.Tensor:
     """Same value by the logsumexp identity: z[token] - logsumexp(z) (a different reduction)."""
     s = as_sampling(temperature)
-    z = processed_logits(logits, s) if s != Sampling(s.temperature) else wide(logits) / s.temperature
+    z = processed_logits(logits, s) if s.truncates else wide(logits) / s.temperature
     return z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)

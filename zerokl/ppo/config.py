@@ -156,7 +156,7 @@ class PPOConfig:
             self.sampling
         except ValueError as e:
             raise ConfigError(f"ppo config: {e}") from None
-        if self.kl_coef > 0 and self.sampling != Sampling(self.temperature):
+        if self.kl_coef > 0 and self.sampling.truncates:
             raise ConfigError("ppo config: kl_coef > 0 with top_k / top_p / min_p is refused: the KL to the reference "
                               "is infinite where the two truncated distributions keep different tokens; drop the "
                               "truncation or the KL penalty")
