@@ -91,6 +91,10 @@ class TextConfig:
         )
 
     @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe(i) for i in range(self.num_hidden_layers))
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype of weights and activations in the forward (fp32 kept at the cast points in parity/README.md)."""
         return COMPUTE_DTYPES[self.torch_dtype]

@@ -28,6 +28,9 @@ stream, SiLU, plain MoE, Kimi Linear's low-rank KDA output gate; tensor names co
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +48,20 @@ from parity.quant.ste import straight_through
 from parity.weights import is_quantized, is_row_parallel, packed_names, text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
+_ROUTING: ContextVar[list[torch.Tensor] | None] = ContextVar("zerokl_routing", default=None)
+
+
+@contextmanager
+def record_routing() -> Iterator[list[torch.Tensor]]:
+    """Collect the experts every MoE layer chooses inside the block, from any `K3Forward` (subclasses included) in
+    this context: one [*input dims, top_k] tensor of expert ids per MoE layer call, in call order, on the CPU.
+    Recording reads the router's output only; the forward's arithmetic is unchanged."""
+    log: list[torch.Tensor] = []
+    token = _ROUTING.set(log)
+    try:
+        yield log
+    finally:
+        _ROUTING.reset(token)
 
 
 def bf16_values(w: torch.Tensor) -> torch.Tensor:
@@ -202,6 +219,9 @@ class K3Forward:
         logits = self.k.linear(wide(flat), self.weight(f"{p}.gate.weight"))  # fp32 logits (vLLM's GateLinear)
         ids, weights = self.k.route(logits, self.weight(f"{p}.gate.e_score_correction_bias"), c.num_experts_per_token,
                                     c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
+        log = _ROUTING.get()
+        if log is not None:
+            log.append(ids.detach().view(*x.shape[:-1], ids.shape[-1]).cpu())
         latent = flat if c.routed_expert_hidden_size is None else self._lin(flat, f"{p}.routed_expert_down_proj.weight")
         routed = self._routed_experts(latent, ids, weights, p).to(latent.dtype)
         if c.routed_expert_hidden_size is not None:

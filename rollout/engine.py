@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ import torch
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
 from parity.kernels.logprobs import Sampling
+from rollout import records
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 from parity.sync.bundle import Message, SyncError, Transport, WeightBundle, verify
 from parity.sync.transports import SharedMemory
@@ -64,6 +65,12 @@ class Sample:
     logprobs: torch.Tensor  # [len(completion_ids)] fp32
     policy_version: int
     cached_tokens: int  # prompt tokens served from vLLM's prefix cache
+    # with `generate(record=True)`: the raw log-probs of the completion tokens (log_softmax of the model's logits, no
+    # temperature or truncation: vLLM's `raw_logprobs`), [len(completion_ids)] fp32; and, for a model with MoE layers,
+    # the experts chosen at each input position (`parity.routing`), [len(prompt_ids) + len(completion_ids) - 1,
+    # MoE layers, top_k]
+    raw_logprobs: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -110,7 +117,8 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int] | str], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
-                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[Sample]:
+                 lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 record: bool = False) -> list[Sample]:
         """`n` samples per prompt, prompt-major (sample j of prompt i is entry i * n + j).
 
         prompts: token id lists or text (tokenized by the checkpoint's tokenizer).
@@ -118,6 +126,9 @@ class RolloutEngine:
         top_p / top_k / min_p: truncation (`parity.kernels.logprobs.Sampling`); the log-probs are under the truncated
         distribution (vLLM's processed log-probs), which the trainer recomputes with `Sampling`.
         lora: an adapter from `load_adapter` for every prompt, or one per prompt (None: the base model).
+        record: fill each sample's `raw_logprobs` and `routing` from inside the worker (`rollout.records`: raw log-probs
+        by vLLM's own op; experts at each position the engine computed, `parity.routing.NOT_COMPUTED` at positions a
+        prefix-cache hit served).
         """
         from vllm import SamplingParams
 
@@ -133,8 +144,15 @@ class RolloutEngine:
                 adapters.append(adapter)
                 params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
                                              seed=sample_seed(s, j), ignore_eos=ignore_eos, **truncation))
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapters)
-        return [self._sample(out) for out in outputs]
+        if not record:
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapters)
+            return [self._sample(out) for out in outputs]
+        self.llm.collective_rpc(records.start)
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapters)
+        finally:
+            recorded = {records.external_id(k): v for k, v in self.llm.collective_rpc(records.take)[0].items()}
+        return [self._recorded(self._sample(out), recorded.get(out.request_id, {})) for out in outputs]
 
     def load_adapter(self, name: str, path: str | Path) -> LoRARequest:
         """Load the PEFT adapter directory `path` into the workers under a new id; returns the request that
@@ -287,6 +305,21 @@ class RolloutEngine:
         tokens = list(c.token_ids)
         lps = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)], dtype=torch.float32)
         return Sample(list(out.prompt_token_ids), tokens, lps, int(versions.pop()), out.num_cached_tokens or 0)
+
+    def _recorded(self, sample: Sample, recorded: dict[str, torch.Tensor]) -> Sample:
+        """`sample` with the worker's records of its request: the raw log-prob of each completion token (sampled into
+        positions len(prompt) ...) and, with MoE layers, the routing of each input position (all but the last token)."""
+        first, n = len(sample.prompt_ids), len(sample.completion_ids)
+        positions, raw = recorded.get("raw_positions"), recorded.get("raw_logprobs")
+        at = {} if positions is None else dict(zip(positions.tolist(), raw))
+        if any(p not in at for p in range(first, first + n)):
+            raise RolloutError(f"the engine recorded no raw log-prob for some completion tokens of a request "
+                               f"(positions {first}..{first + n - 1})")
+        routing = recorded.get("routing")
+        if self.text_cfg.num_moe_layers and (routing is None or routing.shape[0] != first + n - 1):
+            raise RolloutError(f"the engine recorded routing for {0 if routing is None else routing.shape[0]} "
+                               f"positions of a request with {first + n - 1} input positions")
+        return replace(sample, raw_logprobs=torch.stack([at[p] for p in range(first, first + n)]), routing=routing)
 
 
 def lora_engine_args(adapter_rank: int, max_loras: int = 1) -> dict[str, Any]:

@@ -17,6 +17,7 @@ reaches every vLLM process the same way the checkpoint does.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,8 +26,9 @@ from torch import nn
 
 from parity.config import ModelConfig, load_model_config
 from parity.kernels import get_kernels
-from parity.model import K3Forward, K3Weights, KDACache
+from parity.model import K3Forward, K3Weights, KDACache, record_routing
 from parity.quant import fp8
+from parity.routing import NOT_COMPUTED
 from parity.quant.mxfp4 import MXFP4Weight
 from parity.weights import is_quantized, official_name, packed_names, serving_dtype, stored_specs, text_specs
 from rollout import vllm_compat
@@ -34,6 +36,7 @@ from lora.targets import suffixes
 from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes
 from rollout.lora_table import AdapterTable
 from rollout.plugin import KERNELS_KEY
+from rollout.records import WorkerRecords
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec, MambaStateCopyFunc
@@ -113,6 +116,8 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         self.adapters = AdapterTable(self.fwd, self.kernels)
         self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm_compat)
         self.lora_manager: Any = None  # vLLM's LoRAModelManager sets itself here when LoRA is enabled
+        self.records: WorkerRecords | None = None  # set while the engine records (`rollout.records`)
+        self.record_hooks: tuple[Any, ...] = ()
         self.cache_layers = nn.ModuleList(
             KDAStateLayer(cfg, self.kernels.name, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
             else LatentCacheLayer(cfg.mla_latent_size, fp8.STORAGE_DTYPE if cfg.latent_cache else cfg.compute_dtype,
@@ -148,11 +153,21 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             return out
         layers = list(self.cache_layers)
         layout = metadata[layers[0].prefix].layout
+        records = self.records
+        if records is not None:
+            records.layout = layout
+        routing = None if records is None or not self.cfg.num_moe_layers else torch.full(
+            (input_ids.shape[0], *records.shape), NOT_COMPUTED, dtype=torch.int32)
         for group in StepGroup.split(layout):
             ids = self.adapters.row_ids(self.lora_manager, group.token_index[:, 0])
             for lora_id in ids.unique().tolist():
                 part = group.subset(ids == lora_id)
-                self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out)
+                with record_routing() if routing is not None else nullcontext() as recorded:
+                    self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out)
+                if routing is not None:  # [B, T, k] per MoE layer -> the group's flat tokens
+                    routing[part.token_index[part.valid]] = torch.stack(recorded, dim=2)[part.valid].int()
+        if routing is not None:
+            records.add_routing(layout, positions, routing)
         return out
 
     def _run(self, fwd: K3Forward, group: StepGroup, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -95,6 +95,7 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"top_k": "2.5"}, "top_k must be an integer"),
     ({"min_p": "-0.1"}, "min_p must be in [0, 1], got -0.1"),
     ({"top_p": "0.7", "kl_coef": "0.05"}, "kl_coef > 0 with top_k / top_p / min_p is refused"),
+    ({"logprobs_mode": "raw"}, "logprobs_mode must be one of processed_logprobs, raw_logprobs, got 'raw'"),
 ])
 def test_ppo_config_values_are_checked(keys: dict[str, str], says: str, k3_tiny: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:

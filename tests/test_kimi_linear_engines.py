@@ -122,7 +122,8 @@ def test_ppo_steps_keep_kl_exactly_zero(tmp_path: Path) -> None:
             result = run.run_step()
             m = result.metrics
             assert result.diagnosis is None, result.diagnosis
-            assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
+            assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0 \
+                and m["routing_agreement"] == 1.0, m
             assert m["step"] == step and m["policy_version"] == step
         assert run.engine.policy_version == run.version == 3
         _, init = load_checkpoint(tmp_path / "ppo" / "init-checkpoint")

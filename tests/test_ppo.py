@@ -47,7 +47,8 @@ def _without_timings(m: dict) -> dict:
 
 def test_every_step_zero_kl_and_versions_in_lockstep(ppo_reference: PPOReference) -> None:
     for i, m in enumerate(ppo_reference.metrics):
-        assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
+        assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0 \
+            and m["routing_agreement"] == 1.0 and m["raw_bitwise_equal_frac"] == 1.0, m
         assert m["step"] == i and m["policy_version"] == i
 
 
@@ -157,7 +158,7 @@ def test_minibatch_epochs_reference_kl_and_entropy_keep_zero_kl(k3_tiny_mxfp4: P
     assert main(["ppo", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 0
     metrics = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:
-        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
+        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["routing_agreement"] == 1.0, m
         assert m["ppo_kl"] != 0.0 and 0.0 <= m["clipfrac"] <= 1.0, m
         assert m["kl_ref"] >= 0.0 and m["entropy"] > 0.0 and m["time_ref"] > 0.0, m
     assert metrics[1]["kl_ref"] > 0.0
@@ -168,14 +169,15 @@ def test_minibatch_epochs_reference_kl_and_entropy_keep_zero_kl(k3_tiny_mxfp4: P
 
 def test_gae_value_head_with_truncated_sampling_keeps_zero_kl(k3_tiny: Path, tmp_path: Path) -> None:
     """configs/ppo-tiny-gae.yaml (a value head trained with the policy, 2 epochs x 2 minibatches, old values from the
-    no-grad pass, entropy bonus) sampling with `top_k: 5, top_p: 0.7` (so without its KL penalty, which truncation
-    refuses), on a user dataset scored by a user reward function (`task: jsonl`, configs/rewards/example_reward.py)
-    for 2 steps: zero KL and every log-prob bitwise equal at each step (the engine's processed log-probs =
-    the trainer's recompute of the truncation), the value metrics reported, the head trained and never exported. (Its
+    no-grad pass, entropy bonus, KL penalty) sampling with `top_k: 5, top_p: 0.7` and the loss on the raw log-probs
+    (`logprobs_mode: raw_logprobs`, which makes the KL to the reference finite under truncation), on a user dataset
+    scored by a user reward function (`task: jsonl`, configs/rewards/example_reward.py) for 2 steps: zero KL and every
+    log-prob bitwise equal at each step, processed (the engine's = the trainer's recompute of the truncation) and raw,
+    the value metrics reported, the head trained and never exported. (Its
     save and restore, Adam state included: `tests/test_trainer_backend.py::test_value_head_state_round_trip_continues_
     bitwise`; the loop's resume of the rest: `test_kill_and_resume_is_bitwise`.)"""
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-gae.yaml"), model=str(k3_tiny), steps=2, wandb="disabled",
-                  prompts_per_step=4, kl_coef=0.0, top_k=5, top_p=0.7, task="jsonl",
+                  prompts_per_step=4, top_k=5, top_p=0.7, logprobs_mode="raw_logprobs", task="jsonl",
                   task_args={"path": str(REPO / "configs/data/word-problems.jsonl"),
                              "reward": f"{REPO / 'configs/rewards/example_reward.py'}:score"})
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
@@ -187,8 +189,9 @@ def test_gae_value_head_with_truncated_sampling_keeps_zero_kl(k3_tiny: Path, tmp
         run.close()
     assert all(r.diagnosis is None for r in results), [r.diagnosis for r in results]
     for m in (r.metrics for r in results):
-        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
+        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["routing_agreement"] == 1.0, m
         assert m["value_loss"] > 0.0 and 0.0 <= m["vf_clipfrac"] <= 1.0 and m["explained_var"] <= 1.0, m
+        assert m["raw_kl"] == 0.0 and m["raw_bitwise_equal_frac"] == 1.0 and m["kl_ref"] >= 0.0, m
         assert 0.0 < m["entropy"] < math.log(5), m  # the truncated distribution's: at most 5 tokens
     assert head.abs().sum() > 0 and not any("value" in n for n in exported)
 

@@ -43,7 +43,8 @@ def test_one_step_off_rollouts_keep_zero_kl_and_resume_bitwise(k3_tiny: Path, tm
         run.close()
     for r, staleness in zip(results, (0, 1, 1)):
         m = r.metrics
-        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["staleness"] == staleness, m
+        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 \
+            and m["routing_agreement"] == 1.0 and m["staleness"] == staleness, m
     assert all(r.metrics["ppo_kl"] != 0.0 for r in results[1:])
     resumed = PPORun(cfg, tmp_path / "resumed", resume=tmp_path / "step-2", log=lambda _: None)
     try:

@@ -86,7 +86,8 @@ def test_two_rank_zero3_ppo_equals_megatron(runs: dict[str, tuple[list[dict], Pa
     assert len(megatron) == len(deepspeed) == STEPS
     for i, (a, b) in enumerate(zip(megatron, deepspeed)):
         for m in (a, b):
-            assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
+            assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0 \
+                and m["routing_agreement"] == 1.0, m
             assert m["step"] == i and m["policy_version"] == i
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == \
             {k: v for k, v in b.items() if k not in TIMING_KEYS}, i

@@ -59,7 +59,8 @@ def lora_run(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[l
 def test_every_step_zero_kl_with_adapter_only_sync(lora_run) -> None:
     metrics, _, _ = lora_run
     for i, m in enumerate(metrics):
-        assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0, m
+        assert m["kl"] == 0.0 and m["max_abs_logprob_diff"] == 0.0 and m["bitwise_equal_frac"] == 1.0 \
+            and m["routing_agreement"] == 1.0, m
         assert m["step"] == i and m["policy_version"] == i + 1  # version 1: base + initial adapter
         assert m["sync_bytes"] * 10 < m["full_sync_bytes"], m  # k3-tiny: 1.1 MB of adapter vs 23.5 MB
         assert m["sync_seconds"] > 0 and m["full_sync_seconds"] > 0

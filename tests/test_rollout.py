@@ -25,7 +25,8 @@ import torch
 
 from parity.kernels import FAST, INVARIANT, Kernels
 from parity.kernels.logprobs import Sampling
-from parity.model import K3Forward, K3Weights, score_sequences
+from parity.model import K3Forward, K3Weights, record_routing, score_sequences
+from parity.routing import NOT_COMPUTED, per_sequence, routing_agreement
 from parity.weights import text_specs
 from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
 from rollout import serve
@@ -219,6 +220,34 @@ def test_truncated_sampling_equals_the_trainers_processed_logprobs(engine: Rollo
         full = [lp[len(s.prompt_ids) - 1 :] for lp, s in zip(score_sequences(fwd, seqs, TEMPERATURE), samples)]
         assert all(torch.isfinite(s.logprobs).all() and (s.logprobs >= f).all() for s, f in zip(samples, full))
         assert any(not torch.equal(s.logprobs, f) for s, f in zip(samples, full)), f"{truncation} truncated nothing"
+
+
+def test_engine_records_equal_the_trainers(engine: RolloutEngine, weights: K3Weights) -> None:
+    """What the engine records in its worker (`record=True`), sampling with top_p 0.7 and top_k 5: the raw log-prob of
+    every sampled token (temperature 1, no truncation: vLLM's raw op) equals the trainer's raw recompute bit for bit
+    (and differs from the processed one), and the experts chosen at every position the engine computed (prompt chunks,
+    decode steps; a warm prefix-cache hit computes only the prompt's tail) are the trainer's one-pass choices:
+    agreement 1.0 over every (position, MoE layer). One changed expert id lowers it (the measure is not blind)."""
+    idx = [0, 5, LONG[0], LONG[1]]
+    samples = engine.generate([PROMPTS[i] for i in idx], n=N, temperature=TEMPERATURE, max_tokens=MAX_TOKENS,
+                              seed=[SEEDS[i] for i in idx], top_p=0.7, top_k=5, record=True)
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    fwd = K3Forward(weights, INVARIANT)
+    with record_routing() as log:
+        raw = score_sequences(fwd, seqs, 1.0)
+    for s, r in zip(samples, raw):
+        assert torch.equal(s.raw_logprobs, r[len(s.prompt_ids) - 1 :]) and not torch.equal(s.raw_logprobs, s.logprobs)
+    trainer = per_sequence(log, torch.tensor([len(x) for x in seqs]))
+    rollout = [s.routing for s in samples]
+    assert all(r is not None and r.shape == t.shape for r, t in zip(rollout, trainer))
+    agreement = routing_agreement(rollout, trainer)
+    total = sum(t.shape[0] * t.shape[1] for t in trainer)
+    skipped = [int((r[:, 0, 0] == NOT_COMPUTED).sum()) for r in rollout]
+    assert sum(skipped) >= 2 * BLOCK and skipped == [s.cached_tokens for s in samples], skipped
+    assert agreement.fraction == 1.0 and agreement.compared == total - sum(skipped) * weights.cfg.num_moe_layers
+    flipped = rollout[0].clone()
+    flipped[3, 0, 0] = (flipped[3, 0, 0] + 1) % weights.cfg.num_experts
+    assert routing_agreement([flipped], trainer[:1]).matched == routing_agreement(rollout[:1], trainer[:1]).matched - 1
 
 
 def test_refused_requests(engine: RolloutEngine) -> None:

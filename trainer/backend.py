@@ -29,7 +29,7 @@ def build_backend(name: str, checkpoint: str | Path, *, lr: float = 0.0, clip_gr
     or a PEFT adapter directory: LoRA, base frozen) when given. `lr`, `clip_grad` (Megatron's max grad norm, 0: off)
     and `weight_decay` configure the optimizer (lr 0: a backend that only scores); `zero_stage` (2 or 3) applies to
     DeepSpeed. `value_head_lr` (megatron only) adds GAE's critic at that learning rate
-    (`TrainerBackend.logprobs_and_values`). Collective; raises ConfigError on a bad choice, AdapterError on a bad
+    (`TrainerBackend.logprobs_raw_and_values`). Collective; raises ConfigError on a bad choice, AdapterError on a bad
     adapter."""
     if name not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")

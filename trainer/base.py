@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lora.adapter import Adapter
 from parity.config import ModelConfig
 from parity.weights import text_specs
+from parity.kernels.logprobs import Sampling
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
 
 WEIGHTS_FILE = "weights.pt"  # in a saved state: every checkpoint tensor, text tensors as fp32 masters
@@ -53,17 +54,24 @@ class TrainerBackend(ABC):
     def world_size(self) -> int:
         return dist.get_world_size()
 
-    def logprobs(self, batch: PaddedBatch | PackedBatch, temperature: float) -> torch.Tensor:
+    def logprobs(self, batch: PaddedBatch | PackedBatch, temperature: float | Sampling) -> torch.Tensor:
         """Next-token log-probs of every token, no grad: [B, T] for a padded batch (0 at each row's last token and on
         padding), [N] for a packed one; the rollout engine's bits. Every rank gets them."""
         with torch.no_grad():
             return token_logprobs(self.model, batch, temperature)
 
-    def logprobs_and_values(self, batch: PaddedBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`logprobs` of a padded batch (the same bits) and the value head's values [B, T], aligned alike, from one
-        no-grad forward; only a backend built with a value head has them."""
+    def logprobs_and_raw(self, batch: PaddedBatch, temperature: float | Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs` of a padded batch and the raw ones (temperature 1, no truncation), [B, T] each, from one no-grad
+        forward."""
         with torch.no_grad():
-            return self.model(batch.input_ids, batch.lens, temperature, values=True)
+            return self.model(batch.input_ids, batch.lens, temperature, raw=True)
+
+    def logprobs_raw_and_values(self, batch: PaddedBatch,
+                                temperature: float | Sampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`logprobs_and_raw` (the same bits) and the value head's values [B, T], aligned alike, from one no-grad
+        forward; only a backend built with a value head has them."""
+        with torch.no_grad():
+            return self.model(batch.input_ids, batch.lens, temperature, values=True, raw=True)
 
     @abstractmethod
     def train_step(self, *loss_fns: LossFn) -> tuple[float, float]:

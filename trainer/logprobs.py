@@ -60,16 +60,18 @@ class PackedBatch:
 
 
 def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float | Sampling,
-                    entropy: bool = False,
-                    value_head: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                    entropy: bool = False, value_head: torch.Tensor | None = None,
+                    raw: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One forward over right-padded rows -> lp: [B, T] (next-token aligned, zeros past each row's last
-    scored token). Same calls as `parity.model.score_sequences`, so the same bits. With `entropy`, also the
+    scored token). Same calls as `parity.model.score_sequences`, so the same bits. With `raw`, also the raw
+    log-probs (temperature 1, no truncation: vLLM's `raw_logprobs`) from the same logits, aligned and zeroed alike.
+    With `entropy`, also the
     entropy of each position's next-token distribution softmax(logits / temperature), aligned and zeroed alike
     (fp32, differentiable; a loss term, not part of the parity contract). With `value_head` ([1, D + 1] fp32: weights,
     then a bias), also the values: w . final_norm(hidden) / D + bias at each position, the value before the token it
     predicts (D = hidden size: a mean-field readout, so an Adam step of size lr on w moves a value by about lr, as one
     on the bias does, whatever D), aligned and zeroed alike, fp32, computed beside the logits (their bits are
-    untouched). Returns lp, or (lp, [entropy,] [values])."""
+    untouched). Returns lp, or (lp, [raw,] [entropy,] [values])."""
     b, t = input_ids.shape
     pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
     hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype))
@@ -78,6 +80,8 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     scored = torch.arange(t - 1).view(1, -1) < (lens - 1).view(-1, 1)
     zero = torch.zeros((), dtype=lp.dtype)
     out = [F.pad(torch.where(scored, lp, zero), (0, 1))]
+    if raw:
+        out.append(F.pad(torch.where(scored, fwd.token_logprobs(logits, input_ids[:, 1:], 1.0), zero), (0, 1)))
     if entropy:
         out.append(F.pad(torch.where(scored, next_token_entropy(logits, temperature), zero), (0, 1)))
     if value_head is not None:
@@ -106,15 +110,15 @@ def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch,
     return model(batch.input_ids, batch.lens, temperature)
 
 
-def token_logprobs_and_entropy(model: torch.nn.Module, batch: PaddedBatch,
-                               temperature: float | Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` of a padded batch and the entropy of each position's next-token distribution, both [B, T]
-    (`padded_logprobs` with `entropy`), from one forward."""
-    return model(batch.input_ids, batch.lens, temperature, entropy=True)
+def token_logprobs_and_entropy(model: torch.nn.Module, batch: PaddedBatch, temperature: float | Sampling,
+                               raw: bool = False) -> tuple[torch.Tensor, ...]:
+    """`token_logprobs` of a padded batch [and the raw ones] and the entropy of each position's next-token
+    distribution, all [B, T] (`padded_logprobs` with `entropy`), from one forward."""
+    return model(batch.input_ids, batch.lens, temperature, entropy=True, raw=raw)
 
 
-def token_logprobs_entropy_and_values(model: torch.nn.Module, batch: PaddedBatch,
-                                      temperature: float | Sampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_logprobs_entropy_and_values(model: torch.nn.Module, batch: PaddedBatch, temperature: float | Sampling,
+                                      raw: bool = False) -> tuple[torch.Tensor, ...]:
     """`token_logprobs_and_entropy` and the value head's values (`padded_logprobs` with `value_head`), all [B, T],
     from one forward of a model with a value head."""
-    return model(batch.input_ids, batch.lens, temperature, entropy=True, values=True)
+    return model(batch.input_ids, batch.lens, temperature, entropy=True, values=True, raw=raw)

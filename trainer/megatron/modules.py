@@ -33,6 +33,7 @@ from lora.spec import LoraSpec
 from parity.weights import kda_specs, text_names, text_specs
 from trainer.megatron.config import K3TransformerConfig
 from trainer.megatron.forward import ParallelK3Forward
+from parity.kernels.logprobs import Sampling
 from trainer.logprobs import padded_logprobs
 from trainer.megatron.sharding import lora_splits, split_of
 
@@ -318,17 +319,17 @@ class MegatronK3Model(MegatronModule):
             module.lora_B = Weight(_param(config, out_f, rank, tp_dim=b_split.tp_dim))
             self.lora_scales[base] = scale
 
-    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float, entropy: bool = False,
-                values: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float | Sampling,
+                entropy: bool = False, values: bool = False, raw: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`; with
-        `entropy` and / or `values` (the value head's), a tuple (lp, [entropy,] [values])), on the parameters' device
-        (the forward's own tensors are made there too)."""
+        `raw`, `entropy` and / or `values` (the value head's), a tuple (lp, [raw,] [entropy,] [values])), on the
+        parameters' device (the forward's own tensors are made there too)."""
         if values and self.value_head is None:
             raise ValueError("values asked of a model without a value head (add_value_head)")
         device = self.model.embed_tokens.weight.device
         with torch.device(device):
             return padded_logprobs(ParallelK3Forward.for_model(self), input_ids.to(device), lens.to(device), temperature,
-                                   entropy, self.value_head.weight if values else None)
+                                   entropy, self.value_head.weight if values else None, raw)
 
 
 VALUE_HEAD_PREFIX = "value_head."  # the value head's parameter name in the module (`add_value_head`)

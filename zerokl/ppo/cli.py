@@ -33,9 +33,13 @@ def _console(step: int, total: int, m: dict[str, float], seconds: float) -> str:
     done = int(width * step / total)
     bar = "#" * done + "." * (width - done)
     return (f"[{bar}] step {step}/{total} reward {m['reward_mean']:.3f} kl {m['kl']:.1e} "
-            f"eq {m['bitwise_equal_frac']:.3f} v{int(m['policy_version'])} "
+            f"eq {m['bitwise_equal_frac']:.3f} {_routing(m)}v{int(m['policy_version'])} "
             f"rollout {m['rollout_tokens_per_s']:.0f} tok/s train {m['train_tokens_per_s']:.0f} tok/s "
             f"{_sync(m)}({seconds:.1f}s)")
+
+
+def _routing(m: dict[str, float]) -> str:
+    return f"route {m['routing_agreement']:.3f} " if "routing_agreement" in m else ""
 
 
 def _sync(m: dict[str, float]) -> str:

@@ -38,6 +38,7 @@ class PPOConfig:
     top_k: int | None = None  # truncation (parity.kernels.logprobs.Sampling): log-probs, loss and check under it
     top_p: float | None = None
     min_p: float | None = None
+    logprobs_mode: str = "processed_logprobs"  # the log-probs the loss reads (vLLM's names); the check compares both
     max_tokens: int = 8
     lr: float = 3e-3
     clip: float = 0.2
@@ -78,6 +79,13 @@ class PPOConfig:
         """The distribution the engine samples from and the trainer scores (log-probs, entropy, the zero-KL check)."""
         return Sampling(self.temperature, self.top_k, self.top_p, self.min_p)
 
+    @property
+    def loss_sampling(self) -> Sampling:
+        """The distribution whose log-probs the loss reads (`logprobs_mode`): the sampling one (vLLM's processed
+        log-probs) or the raw one (temperature 1, no truncation: vLLM's raw log-probs); the reference's are taken
+        under it too."""
+        return self.sampling if self.logprobs_mode == "processed_logprobs" else Sampling(1.0)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), str(f.type))
@@ -88,6 +96,7 @@ class PPOConfig:
         _choice("advantage", self.advantage, ("grpo", "gae"))
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("old_logprobs", self.old_logprobs, ("recompute", "rollout"))
+        _choice("logprobs_mode", self.logprobs_mode, ("processed_logprobs", "raw_logprobs"))
         if self.old_logprobs == "rollout" and self.ppo_epochs * self.num_minibatches == 1:
             raise ConfigError("ppo config: old_logprobs 'rollout' skips the old-log-prob pass that only runs with "
                               "several updates per step; with ppo_epochs x num_minibatches = 1 the update's own "
@@ -156,10 +165,10 @@ class PPOConfig:
             self.sampling
         except ValueError as e:
             raise ConfigError(f"ppo config: {e}") from None
-        if self.kl_coef > 0 and self.sampling.truncates:
+        if self.kl_coef > 0 and self.loss_sampling.truncates:
             raise ConfigError("ppo config: kl_coef > 0 with top_k / top_p / min_p is refused: the KL to the reference "
                               "is infinite where the two truncated distributions keep different tokens; drop the "
-                              "truncation or the KL penalty")
+                              "truncation or the KL penalty, or put the loss on logprobs_mode: raw_logprobs")
         for name in ("kl_coef", "entropy_coef", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ppo config: {name} must be >= 0, got {getattr(self, name)}")

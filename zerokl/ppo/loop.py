@@ -17,6 +17,12 @@ tokens) and `clipfrac` say how far. Then a versioned, checksummed weight sync.
 first update runs at the generating version, so their log-probs together are its check (GAE, whose whitened
 advantages need every old value first, then takes the no-grad pass).
 
+The check compares two log-probs per token and the routing: the ones under the distribution sampled from (vLLM's
+processed log-probs, which the engine returns) and the raw ones (temperature 1, no truncation), which the engine's
+worker records with vLLM's raw op (`rollout.records`), each against the trainer's from the same forward; and, on MoE
+models, the experts the trainer's forward chose at every position against the engine's (`routing_agreement`,
+`parity.routing`). The loss reads the kind `logprobs_mode` names (old, new and reference log-probs alike).
+
 Old log-probs are always the rollout's (the check proves them the trainer's). `old_logprobs: rollout` skips the
 no-grad pass except every `parity_check_every` steps; on the other steps the check covers the rows of the first
 update, whose forward runs at the generating version anyway (`parity_checked_frac` says which share was checked).
@@ -75,6 +81,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Mapping
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,7 +94,8 @@ from parity.compare import SequenceLogprobs, compare
 from parity.config import ConfigError
 from parity.diagnose import diagnose
 from parity.kernels import get_kernels
-from parity.model import K3Forward, K3Weights
+from parity.model import K3Forward, K3Weights, record_routing
+from parity.routing import per_sequence, routing_agreement
 from parity.weights import bf16_bytes, serving_weights
 from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import explained_variance, gae_advantages, grpo_advantages, masked_whiten, ppo_loss, value_loss
@@ -133,7 +141,9 @@ class Rollout:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    logprobs: torch.Tensor  # [len(completion_ids)] fp32, the engine's
+    logprobs: torch.Tensor  # [len(completion_ids)] fp32, the engine's, under the distribution sampled from
+    raw_logprobs: torch.Tensor  # [len(completion_ids)] fp32, the engine's raw ones (temperature 1, no truncation)
+    routing: torch.Tensor | None  # the engine's experts per input position (`parity.routing`), MoE models
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -279,15 +289,13 @@ class PPORun:
     def _reference_logprobs(self, batch: Any, index: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: the reference policy's log-probs of the sampled tokens [N, T] (None without a KL penalty; with one
         the sampling has no truncation, the config refuses it)."""
-        return None if self.reference is None else self._shared_forward_logprobs(self.reference, batch, index)
-
-    def _shared_forward_logprobs(self, fwd: K3Forward, batch: Any, index: torch.Tensor) -> torch.Tensor:
-        """The log-probs of the sampled tokens [N, T] by the shared forward `fwd` (no grad), under the run's sampling
-        distribution."""
+        if self.reference is None:
+            return None
         from trainer.logprobs import padded_logprobs
 
-        with torch.no_grad():
-            return padded_logprobs(fwd, batch.input_ids, batch.lens, self.cfg.sampling).gather(1, index)
+        with torch.no_grad():  # under the loss's distribution
+            lp = padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.loss_sampling)
+        return lp.gather(1, index)
 
     @staticmethod
     def _kept_copy(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -295,12 +303,17 @@ class PPORun:
         they are), which the next optimizer step changes in place."""
         return {n: t.detach().clone() for n, t in weights.items()}
 
-    def _kept_logprobs(self, version: int, batch: Any, index: torch.Tensor) -> torch.Tensor:
-        """Rank 0 (max_staleness runs on one process): the log-probs of the sampled tokens [N, T] under the kept
-        serving weights of `version`, through the shared forward: the bits the trainer's forward had at that version
-        (the engine's equal both)."""
+    def _kept_logprobs(self, version: int, batch: Any, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0 (max_staleness runs on one process): the log-probs and raw log-probs of the sampled tokens [N, T]
+        under the kept serving weights of `version`, through the shared forward (no grad): the bits the trainer's
+        forward had at that version (the engine's equal both)."""
+        from trainer.logprobs import padded_logprobs
+
         weights = K3Weights.from_official(self.backend.model_cfg.text, self.kept[version])
-        return self._shared_forward_logprobs(K3Forward(weights, get_kernels(self.cfg.kernels)), batch, index)
+        with torch.no_grad():
+            lp, raw = padded_logprobs(K3Forward(weights, get_kernels(self.cfg.kernels)), batch.input_ids, batch.lens,
+                                      self.cfg.sampling, raw=True)
+        return lp.gather(1, index), raw.gather(1, index)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t != self.eos])
@@ -315,11 +328,12 @@ class PPORun:
         samples = self.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
                                        top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
                                        max_tokens=cfg.max_tokens, seed=step_seed(cfg.seed, step),
-                                       lora=self.engine.policy_adapter)
+                                       lora=self.engine.policy_adapter, record=True)
         t_roll = time.perf_counter() - t0
         rewards = torch.tensor([self.task.reward(self._decode(s.completion_ids), problems[i // cfg.samples_per_prompt])
                                 for i, s in enumerate(samples)])
-        return ([Rollout(s.prompt_ids, s.completion_ids, s.logprobs) for s in samples], rewards, t_roll,
+        return ([Rollout(s.prompt_ids, s.completion_ids, s.logprobs, s.raw_logprobs, s.routing) for s in samples],
+                rewards, t_roll,
                 [s.policy_version for s in samples])
 
     def _next_rollout(self) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
@@ -370,7 +384,7 @@ class PPORun:
             c = len(s.completion_ids)
             index[i, :c] = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + c)
             mask[i, :c] = 1.0
-            old[i, :c] = s.logprobs
+            old[i, :c] = s.raw_logprobs if cfg.logprobs_mode == "raw_logprobs" else s.logprobs
         t_ref = time.perf_counter()
         ref = self.backend.broadcast(self._reference_logprobs(batch, index) if self.rank0 else None)
         t_ref = time.perf_counter() - t_ref
@@ -382,15 +396,22 @@ class PPORun:
         n = len(samples)
         updates = cfg.ppo_epochs * cfg.num_minibatches
 
-        def check(lp: torch.Tensor, rows: torch.Tensor) -> None:
-            """The zero-KL check: the trainer's log-probs `lp` of the samples `rows` at the generating version vs the
-            rollout's, every token."""
-            rollout = [SequenceLogprobs(str(i), samples[i].completion_ids, samples[i].logprobs) for i in rows.tolist()]
-            trainer = [SequenceLogprobs(str(i), samples[i].completion_ids, x[: len(samples[i].completion_ids)].detach())
-                       for i, x in zip(rows.tolist(), lp)]
-            report["parity"] = compare(rollout, trainer)
+        def check(lp: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, routing: list[torch.Tensor]) -> None:
+            """The zero-KL check: the trainer's log-probs `lp` (the sampling distribution's, vLLM's processed ones) and
+            `raw` ones of the samples `rows` at the generating version vs the rollout's, every token; and the experts
+            its forward chose (`routing`, per sample; empty for a dense model) vs the engine's."""
+            ids = rows.tolist()
+
+            def seqs(values: list[torch.Tensor] | torch.Tensor) -> list[SequenceLogprobs]:
+                tokens = [samples[i].completion_ids for i in ids]
+                return [SequenceLogprobs(str(i), t, x[: len(t)].detach()) for i, t, x in zip(ids, tokens, values)]
+
+            report["parity"] = compare(seqs([samples[i].logprobs for i in ids]), seqs(lp))
+            report["parity_raw"] = compare(seqs([samples[i].raw_logprobs for i in ids]), seqs(raw))
             report["checked"] = len(rows)
-            if not report["parity"].all_equal and cfg.on_mismatch == "stop":
+            if routing:
+                report["routing"] = routing_agreement([samples[i].routing for i in ids], routing)
+            if not parity_holds(report) and cfg.on_mismatch == "stop":
                 raise ParityViolation("trainer log-probs differ from the rollout engine's")
 
         def set_gae_targets(values: torch.Tensor) -> None:
@@ -400,7 +421,8 @@ class PPORun:
             adv, returns = gae_advantages(rewards, values, mask, cfg.gamma, cfg.lam)
             targets.update(adv=masked_whiten(adv, mask), returns=returns, values=values)
 
-        first_update: list[tuple[torch.Tensor, torch.Tensor]] = []  # its (log-probs, rows) per pass, until all are in
+        # the first update's (log-probs, raw log-probs, rows, routing) per pass, until all are in
+        first_update: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
 
         def loss_for(rows: torch.Tensor, minibatch: torch.Tensor) -> Callable[[torch.nn.Module], torch.Tensor]:
             """The clipped surrogate on the samples `rows` (+ `vf_coef` x the clipped value loss with GAE), one pass of
@@ -412,11 +434,17 @@ class PPORun:
 
             def loss_fn(model: torch.nn.Module) -> torch.Tensor:
                 forward = token_logprobs_entropy_and_values if gae else token_logprobs_and_entropy
-                lp, ent, *value = (x.gather(1, index[rows]) for x in forward(model, sub, cfg.sampling))
-                if "parity" not in report:  # the step's first update runs at the generating version: its rows' check,
-                    first_update.append((lp.detach(), rows))  # once its last pass is in, before its optimizer step
-                    if sum(len(r) for _, r in first_update) == len(minibatch):
-                        check(torch.cat([x for x, _ in first_update]), torch.cat([r for _, r in first_update]))
+                checking = "parity" not in report  # the step's first update runs at the generating version: its
+                with record_routing() if checking else nullcontext() as log:  # rows' check, once its last pass is in,
+                    outs = forward(model, sub, cfg.sampling, raw=True)
+                    lp, raw, ent, *value = (x.gather(1, index[rows]) for x in outs)
+                if checking:  # before its optimizer step
+                    first_update.append((lp.detach(), raw.detach(), rows, per_sequence(log, sub.lens)))
+                    if sum(len(u[2]) for u in first_update) == len(minibatch):
+                        check(*(torch.cat([u[i] for u in first_update]) for i in (0, 1, 2)),
+                              [r for *_, routing in first_update for r in routing])
+                if cfg.logprobs_mode == "raw_logprobs":  # the loss's log-probs (the old ones are the same kind)
+                    lp = raw
                 if "adv" not in targets:  # GAE, one update in one pass: its forward (every sample, generating version)
                     set_gae_targets(value[0])
                 loss, stats = ppo_loss(lp, old[rows], targets["adv"][rows], mask[rows], cfg.clip,
@@ -441,15 +469,18 @@ class PPORun:
             gae_pass = gae and (updates > 1 or cfg.micro_batch_size is not None)  # old values before any update
             recompute = gae_pass or (updates > 1 and (cfg.old_logprobs == "recompute"
                                                       or self.step % cfg.parity_check_every == 0))
-            if generated != self.version:  # stale rollouts: the check runs on the kept generating version
-                recompute = True
-                check(self._kept_logprobs(generated, batch, index), torch.arange(n))
-            elif gae_pass:  # the old-log-prob pass, with the old values
-                lp, values = self.backend.logprobs_and_values(batch, cfg.sampling)
-                check(lp.gather(1, index), torch.arange(n))
-                set_gae_targets(values.gather(1, index))
-            elif recompute:  # the old-log-prob pass: every sample at the generating version, before any update
-                check(self.backend.logprobs(batch, cfg.sampling).gather(1, index), torch.arange(n))
+            with record_routing() as log:
+                if generated != self.version:  # stale rollouts: the check runs on the kept generating version
+                    recompute = True
+                    lp, raw = self._kept_logprobs(generated, batch, index)
+                elif gae_pass:  # the old-log-prob pass, with the old values
+                    lp, raw, values = (x.gather(1, index) for x in self.backend.logprobs_raw_and_values(batch,
+                                                                                                        cfg.sampling))
+                    set_gae_targets(values)
+                elif recompute:  # the old-log-prob pass: every sample at the generating version, before any update
+                    lp, raw = (x.gather(1, index) for x in self.backend.logprobs_and_raw(batch, cfg.sampling))
+            if recompute:
+                check(lp, raw, torch.arange(n), per_sequence(log, batch.lens))
             t_old = time.perf_counter() - t1
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
@@ -481,7 +512,7 @@ class PPORun:
                 metrics.update(sync_bytes_bf16=bf16_bytes(self.backend.model_cfg.text))  # the same weights unpacked
         if self.full_sync is not None:
             metrics.update(full_sync_seconds=self.full_sync.seconds, full_sync_bytes=self.full_sync.nbytes)
-        diagnosis = None if report["parity"].all_equal else self._diagnose(report, samples)
+        diagnosis = None if parity_holds(report) else self._diagnose(report, samples)
         self.step += 1
         return StepResult(metrics, diagnosis)
 
@@ -512,14 +543,16 @@ class PPORun:
 
     def _metrics(self, report: dict[str, Any], rewards: torch.Tensor, samples: list[Any], t_roll: float,
                  t_train: float | None, staleness: int) -> dict[str, float]:
-        rep = report["parity"]
+        rep, raw = report["parity"], report["parity_raw"]
         gen_tokens = sum(len(s.completion_ids) for s in samples)
         train_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
         out = {"step": self.step, "kl": rep.kl_k1, "max_abs_logprob_diff": rep.max_abs_diff,
                "bitwise_equal_frac": rep.bitwise_equal / max(rep.tokens, 1),
+               "raw_kl": raw.kl_k1, "raw_bitwise_equal_frac": raw.bitwise_equal / max(raw.tokens, 1),
                "parity_checked_frac": report["checked"] / len(samples), "reward_mean": float(rewards.mean()),
                "response_length_mean": gen_tokens / len(samples), "policy_version": self.version,
                "staleness": staleness,
+               **({"routing_agreement": report["routing"].fraction} if "routing" in report else {}),
                "time_gen": t_roll, "rollout_tokens_per_s": gen_tokens / t_roll,
                "train_tokens_per_s": train_tokens / t_train if t_train else 0.0}
         return out
@@ -532,7 +565,8 @@ class PPORun:
         adapter = self.backend.export_adapter() if self.cfg.lora else None
         if not self.rank0:
             return self.backend.broadcast(None)
-        first = next(d for d in report["parity"].sequences if d.first_mismatch is not None)
+        which = "raw " if report["parity"].all_equal else ""
+        first = next(d for d in report[f"parity{'_raw' if which else ''}"].sequences if d.first_mismatch is not None)
         s = samples[int(first.id)]
         weights = K3Weights.from_official(self.backend.model_cfg.text, base)
         if adapter is not None:
@@ -543,7 +577,7 @@ class PPORun:
             "replayed alone, the sequence's schedules agree at every block on the trainer's weights: the engine's bits "
             f"depend on something outside it, the other sequences of its batch (kernels {self.cfg.kernels!r} are "
             "batch-invariant only when 'invariant') or weights that differ from the trainer's (check the last sync)")
-        text = (f"sequence {first.id}: first log-prob mismatch at completion token {first.first_mismatch} "
+        text = (f"sequence {first.id}: first {which}log-prob mismatch at completion token {first.first_mismatch} "
                 f"(max |d| {first.max_abs_diff:.3e}); {where}")
         (self.out / "diagnosis.txt").write_text(text + "\n")
         return self.backend.broadcast(text)
@@ -556,6 +590,11 @@ class PPORun:
         self.backend.close()
 
 
+def parity_holds(report: dict[str, Any]) -> bool:
+    """Whether a step's check found every log-prob, processed and raw, bitwise equal."""
+    return report["parity"].all_equal and report["parity_raw"].all_equal
+
+
 def _ahead_record(ahead: deque[tuple[int, Future]], kept: dict[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
     """The rollouts generated ahead (finished) and the kept serving weights as plain lists, dicts and tensors, which
     `torch.load(weights_only=True)` reads back without running code."""
@@ -564,6 +603,7 @@ def _ahead_record(ahead: deque[tuple[int, Future]], kept: dict[int, dict[str, to
         samples, rewards, seconds, versions = future.result()
         rows.append({"step": step, "prompt_ids": [s.prompt_ids for s in samples],
                      "completion_ids": [s.completion_ids for s in samples], "logprobs": [s.logprobs for s in samples],
+                     "raw_logprobs": [s.raw_logprobs for s in samples], "routing": [s.routing for s in samples],
                      "rewards": rewards, "seconds": seconds, "versions": versions})
     return {"ahead": rows, "kept": {str(v): w for v, w in kept.items()}}
 
@@ -573,7 +613,8 @@ def _from_ahead_record(record: dict[str, Any]) -> tuple[deque[tuple[int, Future]
     ahead: deque[tuple[int, Future]] = deque()
     for row in record["ahead"]:
         future: Future = Future()
-        samples = [Rollout(p, c, lp) for p, c, lp in zip(row["prompt_ids"], row["completion_ids"], row["logprobs"])]
+        samples = [Rollout(*fields) for fields in zip(row["prompt_ids"], row["completion_ids"], row["logprobs"],
+                                                      row["raw_logprobs"], row["routing"])]
         future.set_result((samples, row["rewards"], row["seconds"], row["versions"]))
         ahead.append((row["step"], future))
     return ahead, {int(v): w for v, w in record["kept"].items()}

