@@ -240,17 +240,43 @@ class K3Forward:
         if self.k.experts is not None:
             c = self.cfg
             beta, linear_beta = (c.situ_beta or 1.0, c.situ_linear_beta) if c.hidden_act == "situ" else (1.0, None)
-            stacked = [self._stacked([self.weight(f"{p}.experts.{i}.{w}.weight") for i in e])
-                       for w in ("w1", "w3", "w2")]
+            stacked = [self._expert_stack(p, w, e) for w in ("w1", "w3", "w2")]
             return self.k.experts(x, ids, weights, *stacked, "situ" if c.hidden_act == "situ" else "silu", beta,
                                   linear_beta)
-        return experts_combine(
-            x, ids, weights,
-            [self.weight(f"{p}.experts.{i}.w1.weight") for i in e],
-            [self.weight(f"{p}.experts.{i}.w3.weight") for i in e],
-            [self.weight(f"{p}.experts.{i}.w2.weight") for i in e],
-            self.k.linear, self._act,
-        )
+        return experts_combine(x, ids, weights, *(self.expert_weights(p, w, e) for w in ("w1", "w3", "w2")),
+                               self.k.linear, self._act)
+
+    def expert_weights(self, p: str, w: str, experts: range) -> list[torch.Tensor | MXFP4Weight]:
+        """`weight` of the experts' `w` ("w1", "w3" or "w2") in MoE block `p`, one per expert."""
+        stacked = self._masters_fake_quantized(p, w, experts)
+        if stacked is None:
+            return [self.weight(f"{p}.experts.{e}.{w}.weight") for e in experts]
+        return [mark_bf16_valued(t) for t in stacked.unbind(0)]
+
+    def _expert_stack(self, p: str, w: str, experts: range) -> torch.Tensor | MXFP4Weight:
+        """`expert_weights` stacked for a grouped op (`_stacked`)."""
+        stacked = self._masters_fake_quantized(p, w, experts)
+        if stacked is None:
+            return self._stacked([self.weight(f"{p}.experts.{e}.{w}.weight") for e in experts])
+        return stacked
+
+    def _masters_fake_quantized(self, p: str, w: str, experts: range) -> torch.Tensor | None:
+        """When the experts' `w` are MXFP4 masters (a trainer's): their fake-quantised values stacked [E, N, K] and
+        marked, from one `mxfp4.fake_quantize` over the stack. The quantiser's groups lie within a row, so each expert
+        gets the values (and the straight-through gradient) it gets alone, at one call's host syncs and launches
+        instead of one per expert. None otherwise (packed or unquantised weights)."""
+        names = [f"{p}.experts.{e}.{w}.weight" for e in experts]
+        held = [self.w.get(n) for n in names]
+        if len(names) < 2 or not all(n in self._quantized and isinstance(t, torch.Tensor) for n, t in zip(names, held)):
+            return None
+        stacked = torch.stack(held)
+        try:
+            values = mxfp4.fake_quantize(stacked.reshape(-1, stacked.shape[-1]), f"{p}.experts.*.{w}.weight")
+        except mxfp4.QuantError:
+            for name in names:  # the error names the expert
+                self.weight(name)
+            raise
+        return mark_bf16_valued(values.view(stacked.shape))
 
     @staticmethod
     def _stacked(ws: list[torch.Tensor | MXFP4Weight]) -> torch.Tensor | MXFP4Weight:

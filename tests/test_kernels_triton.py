@@ -499,7 +499,8 @@ def test_moe_matches_cpu_kernels(p: Platform) -> None:
 
 def test_moe_mxfp4_experts_have_the_bits_of_their_bf16_values(p: Platform) -> None:
     """The grouped expert GEMMs on packed MXFP4 experts (dequantised inside both GEMM kernels) equal, bit for bit, the
-    same op on the bf16 values of those weights; a token's output does not depend on the other tokens."""
+    same op on the bf16 values of those weights; a token's output does not depend on the other tokens; with fp32
+    activations, the op on the weights' fp32 values."""
     from parity.quant import mxfp4
     from parity.quant.mxfp4 import MXFP4Weight
 
@@ -514,6 +515,8 @@ def test_moe_mxfp4_experts_have_the_bits_of_their_bf16_values(p: Platform) -> No
     out = p.mod.experts(p.t(x), ids, w, *stacked)
     assert_bits(out, p.mod.experts(p.t(x), ids, w, *dense))
     assert_bits(out[20:21], p.mod.experts(p.t(x[20:21]), ids[20:21], w[20:21], *stacked))
+    x32 = p.t(x.float())  # fp32 activations (an fp32 model with MXFP4 experts): the fp32 values of the weights
+    assert_bits(p.mod.experts(x32, ids, w, *stacked), p.mod.experts(x32, ids, w, *(d.float() for d in dense)))
 
 
 # --- GPU only: bf16 at model widths ---------------------------------------------------------------

@@ -256,12 +256,8 @@ class ParallelK3Forward(K3Forward):
         row_w = exchange(weights.reshape(-1)[order].unsqueeze(1), recv_sizes, send_sizes)  # [M, 1]
         row_ids = exchange(slot_ids[order].unsqueeze(1), recv_sizes, send_sizes) - self.ep_rank * per_rank
         owned = range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
-        products = experts_combine(
-            rows, row_ids, row_w,
-            [self.weight(f"{p}.experts.{e}.w1.weight") for e in owned],
-            [self.weight(f"{p}.experts.{e}.w3.weight") for e in owned],
-            [self.weight(f"{p}.experts.{e}.w2.weight") for e in owned],
-            self.k.linear, self._act,
-        )  # [M, L]: row_w * expert(row), the product experts_combine forms for that slot
+        experts = (self.expert_weights(p, w, owned) for w in ("w1", "w3", "w2"))
+        products = experts_combine(rows, row_ids, row_w, *experts, self.k.linear,
+                                   self._act)  # [M, L]: row_w * expert(row), the product experts_combine forms
         back = exchange(products, send_sizes, recv_sizes)  # [N * k, L] in `order`
         return fold_slots(back[torch.argsort(order)].view(n, k, -1))

@@ -214,10 +214,12 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
             linear_beta: float | None = 25.0) -> torch.Tensor:
     """x: [N, L], ids/weights: [N, k] (ids ascending per row, from `route`); stacked experts
     w1, w3: [E, I, L], w2: [E, L, I] (one dtype with x, or with bf16 x fp32 marked as bf16 values (`parity.quant.bf16`);
-    or all three packed MXFP4 with bf16 x, dequantised inside the GEMMs: the bits of the bf16 weights of those
-    values) -> [N, L]:
+    or all three packed MXFP4, dequantised inside the GEMMs with bf16 x (the bits of the bf16 weights of those
+    values) and dequantised first with fp32 x, as `linear` does) -> [N, L]:
     out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n), e = ids[n, j], j = 0..k-1 in order.
     act: 'situ' (beta, linear_beta) or 'silu'. h = act(...) is stored in x's dtype, y in fp32."""
+    if isinstance(w1, MXFP4Weight) and x.dtype != torch.bfloat16:
+        w1, w3, w2 = (w.dequantize(x.dtype) if isinstance(w, MXFP4Weight) else w for w in (w1, w3, w2))
     packed = isinstance(w1, MXFP4Weight)
     if not packed and x.dtype == torch.bfloat16:  # a trainer's stacked masters of bf16 values: the engine's weights
         w1, w3, w2 = (w.to(torch.bfloat16) if holds_bf16_values(w) else w for w in (w1, w3, w2))
