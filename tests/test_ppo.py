@@ -1,6 +1,6 @@
 """`zerokl ppo` end to end on k3-tiny: real vLLM rollouts, real Megatron trainer.
 
-The session's reference run (`ppo_reference`, in-process, 24 steps of configs/ppo-tiny-mxfp4.yaml: bf16, MXFP4
+The session's reference run (`ppo_reference`, in-process, 16 steps of configs/ppo-tiny-mxfp4.yaml: bf16, MXFP4
 experts with a quantisation-aware trainer, FP8 latents) pins: KL exactly 0 and
 every log-prob bitwise equal at every step, policy versions in lock-step, a rising reward. A run of the command in
 its own process is killed after its step-1 checkpoint and resumed (`--resume`): its metrics and final weights equal
