@@ -152,6 +152,21 @@ def test_check_arguments_are_checked(argv: list[str], k3_tiny: Path) -> None:
     assert exit_.value.code == 2
 
 
+def test_dsa_indexer_configs_are_refused_not_run_dense(k3_tiny: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Until the DSA indexer runs, a config with it (K3.1 Pro's) is refused wherever a model would be built or
+    served, rather than run as dense attention: a new checkpoint, and a checkpoint whose config has the keys."""
+    _user_error(["init-checkpoint", "--config", "configs/k3.1-pro.yaml", "--out", str(tmp_path / "new")], capsys,
+                "DSA sparse-attention indexer (index_n_heads, index_head_dim, index_topk)")
+    ckpt = tmp_path / "indexed"
+    shutil.copytree(k3_tiny, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["text_config"]["index_topk"] = 64
+    (ckpt / "config.json").write_text(json.dumps(config))
+    for argv in (["parity", "check", "--model", str(ckpt)], ["serve", "--checkpoint", str(ckpt)]):
+        _user_error(argv, capsys, "DSA sparse-attention indexer (index_topk)")
+
+
 def test_zero_stage_without_deepspeed_is_refused(k3_tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _user_error(["parity", "check", "--model", str(k3_tiny), "--zero-stage", "2"], capsys,
                 "--zero-stage is only read with --backend deepspeed, not megatron")
