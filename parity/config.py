@@ -216,6 +216,14 @@ def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "t
     if _get(d, "tie_word_embeddings", where, False, kind=bool):
         raise ConfigError(f"{where}: tie_word_embeddings: true is not supported: vLLM's K3 and Kimi Linear models and "
                           f"transformers' Kimi Linear always build their own lm_head (set it to false)")
+    index = {k: d.get(k) for k in ("index_n_heads", "index_head_dim", "index_topk")}
+    if any(v is not None for v in index.values()):
+        bad = {k: v for k, v in index.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+        if bad:
+            raise ConfigError(f"{where}: the DSA indexer needs index_n_heads, index_head_dim and index_topk, each an "
+                              f"integer >= 1, got {bad}")
+        if d.get("q_lora_rank") is None:
+            raise ConfigError(f"{where}: the DSA indexer reads the low-rank query (q_lora_rank), which this config lacks")
     num_experts = d.get("num_experts")
     expert_format, latent_cache = parse_quantization(quantization)
     if expert_format == "mxfp4":
@@ -289,16 +297,17 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def require_runnable(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` if zerokl's engines can run it as written; a config they would serve as something else is refused: the DSA
-    indexer (K3.1 Pro's `index_n_heads` / `index_head_dim` / `index_topk`) is not built, and dense attention in its
-    place would be another model (`zerokl plan` reads such configs)."""
+    """`cfg` if zerokl's engines can run it as written; a config they would run as something else is refused: the DSA
+    indexer (K3.1 Pro's `index_n_heads` / `index_head_dim` / `index_topk`) runs in the shared forward
+    (`parity.model`) but neither the vLLM engine's paged cache nor the trainers hold its index keys and weights yet,
+    and dense attention in its place would be another model."""
     t = cfg.text
     keys = [k for k, v in (("index_n_heads", t.index_n_heads), ("index_head_dim", t.index_head_dim),
                            ("index_topk", t.index_topk)) if v is not None]
     if keys:
-        raise ConfigError(f"this config has the DSA sparse-attention indexer ({', '.join(keys)}), which zerokl does "
-                          "not run yet: serving or training it as dense attention would be another model; "
-                          "`zerokl plan` reads it")
+        raise ConfigError(f"this config has the DSA sparse-attention indexer ({', '.join(keys)}), which zerokl's "
+                          "rollout engine and trainers do not run yet (the shared forward, parity.model, does): "
+                          "running it as dense attention would be another model")
     return cfg
 
 

@@ -40,7 +40,7 @@ from parity.kernels import Kernels
 from parity.kernels.linear import LoRA, k_segments
 from parity.kernels.logprobs import Sampling
 from parity.kernels.moe import experts_combine
-from parity.kernels.primitives import wide
+from parity.kernels.primitives import tree_sum, wide
 from parity.quant import fp8, mxfp4
 from parity.quant.mxfp4 import MXFP4Weight
 from parity.quant.bf16 import holds_bf16_values, mark_bf16_valued
@@ -48,6 +48,7 @@ from parity.quant.ste import straight_through
 from parity.weights import is_quantized, is_row_parallel, packed_names, text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
+INDEX_NORM_EPS = 1e-6  # the DSA indexer's key LayerNorm (DeepSeek-V3.2's, as vLLM builds it)
 _ROUTING: ContextVar[list[torch.Tensor] | None] = ContextVar("zerokl_routing", default=None)
 
 
@@ -112,29 +113,46 @@ class KDACache:
 
 @dataclass
 class MLACache:
-    """Contiguous per-sequence MLA latents: normalised compressed kv and the (unrotated) key part."""
+    """Contiguous per-sequence MLA latents: normalised compressed kv and the (unrotated) key part; with the DSA
+    indexer, each position's index key beside its latent."""
 
     latent: torch.Tensor  # [B, S, kv_lora_rank + rope] activation dtype
     length: torch.Tensor  # [B] int64, valid positions
+    index: torch.Tensor | None = None  # [B, S, index_head_dim] activation dtype (FP8-rounded values), DSA only
 
-    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
-        """Write `new[b, :lens[b]]` after the current end of row b (grows the buffer as needed)."""
-        b, t, d = new.shape
-        need = int((self.length + lens).max()) if b else 0
-        if need > self.latent.shape[1]:
-            grown = self.latent.new_zeros(b, need, d)
-            grown[:, : self.latent.shape[1]] = self.latent
-            self.latent = grown
-        for i in range(b):
-            start, n = int(self.length[i]), int(lens[i])
-            self.latent[i, start : start + n] = new[i, :n]
-        self.length = self.length + lens
+    def append(self, new: torch.Tensor, lens: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Write `new[b, :lens[b]]` (and `index[b, :lens[b]]`) after the current end of row b (grows the buffers as
+        needed)."""
+        end = self.length + lens
+        self.latent = _appended(self.latent, new, self.length, lens)
+        if index is not None:
+            assert self.index is not None
+            self.index = _appended(self.index, index, self.length, lens)
+        self.length = end
+
+    def latents(self) -> torch.Tensor:
+        """[B, S, L]: every position's latent (past `length`: stale or zero)."""
+        return self.latent
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`kernels.attention` of q [B, Tq, 1, L] over the cached latents as one key head (keys: the whole latent;
         values: its first `values` channels) -> [B, Tq, 1, values]."""
         lat = self.latent.to(q.dtype).unsqueeze(2)  # an FP8-rounded latent is held exactly in the compute dtype
         return kernels.attention(q, lat, lat[..., :values], q_pos, self.length, scale)
+
+
+def _appended(buf: torch.Tensor, new: torch.Tensor, length: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """`buf` [B, S, D] with `new[b, :lens[b]]` written from `length[b]` on, grown as needed."""
+    b, _, d = new.shape
+    need = int((length + lens).max()) if b else 0
+    if need > buf.shape[1]:
+        grown = buf.new_zeros(b, need, d)
+        grown[:, : buf.shape[1]] = buf
+        buf = grown
+    for i in range(b):
+        start, n = int(length[i]), int(lens[i])
+        buf[i, start : start + n] = new[i, :n]
+    return buf
 
 
 def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype | None = None) -> list[KDACache | MLACache]:
@@ -149,8 +167,9 @@ def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype | None = None) -> 
                                    torch.zeros(batch, cfg.kda_num_heads, d, d,
                                                dtype=torch.promote_types(dtype, torch.float32))))
         else:
+            index = None if cfg.index_head_dim is None else torch.zeros(batch, 0, cfg.index_head_dim, dtype=dtype)
             caches.append(MLACache(torch.zeros(batch, 0, cfg.mla_latent_size, dtype=dtype),
-                                   torch.zeros(batch, dtype=torch.long)))
+                                   torch.zeros(batch, dtype=torch.long), index))
     return caches
 
 
@@ -343,7 +362,8 @@ class K3Forward:
         b, t, _ = x.shape
         h, dn, dr, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         if c.q_lora_rank is not None:
-            q = self._lin(self._norm(self._lin(x, f"{p}.q_a_proj.weight"), f"{p}.q_a_layernorm.weight"), f"{p}.q_b_proj.weight")
+            qr = self._norm(self._lin(x, f"{p}.q_a_proj.weight"), f"{p}.q_a_layernorm.weight")
+            q = self._lin(qr, f"{p}.q_b_proj.weight")
         else:
             q = self._lin(x, f"{p}.q_proj.weight")
         q = q.view(b, t, h, dn + dr)
@@ -351,15 +371,85 @@ class K3Forward:
         latent = torch.cat([self._norm(kv_a[..., :r], f"{p}.kv_a_layernorm.weight"), kv_a[..., r:]], dim=-1)
         if c.latent_cache == "fp8_e4m3":
             latent = fp8.round_trip(latent)  # the values the FP8 cache holds, for every reader
-        cache.append(latent, lens)
+        if c.index_topk is None:
+            cache.append(latent, lens)
+        else:  # a cache holding index keys (the shared forward's `MLACache`; not yet the engines' paged ones)
+            cache.append(latent, lens, self._index_keys(x, p))
         uk_t, uv = self._kv_b_heads(p)
         q_lat = torch.stack([self.k.linear(q[:, :, i, :dn], uk_t[i]) for i in range(h)], dim=2)  # [B, T, H, r]
         q_abs = torch.cat([q_lat, q[..., dn:]], dim=-1).reshape(b, t * h, 1, r + dr)  # rows (token, head)
-        o_lat = cache.attend(self.k, q_abs, r, pos.repeat_interleave(h, dim=1), (dn + dr) ** -0.5).view(b, t, h, r)
+        if c.index_topk is None:
+            o_lat = cache.attend(self.k, q_abs, r, pos.repeat_interleave(h, dim=1), (dn + dr) ** -0.5)
+        else:
+            o_lat = self._sparse_attend(q_abs.view(b, t, h, r + dr), cache, self._select(x, qr, p, cache, pos), r)
+        o_lat = o_lat.view(b, t, h, r)
         o = torch.stack([self.k.linear(o_lat[:, :, i], uv[i]) for i in range(h)], dim=2)  # [B, T, H, dv]
         if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
             o = (wide(o) * self.k.sigmoid(wide(self._lin(x, f"{p}.g_proj.weight")).view(b, t, h, dv))).to(o.dtype)
         return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")
+
+    # --- DSA: the lightning indexer and sparse MLA (K3.1 Pro) -----------------------------------
+    def _index_keys(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """x [B, T, D] -> one index key per token [B, T, index_head_dim]: LayerNorm(wk x) (fp32 statistics, the
+        affine in fp32, rounded once), as the FP8 index-key cache holds it (`fp8.round_trip_scaled`)."""
+        k = wide(self._lin(x, f"{p}.indexer.wk.weight"))
+        centered = k - tree_sum(k).unsqueeze(-1) / k.shape[-1]
+        var = tree_sum(centered * centered) / k.shape[-1]
+        normed = centered * torch.rsqrt(var + INDEX_NORM_EPS).unsqueeze(-1)
+        out = normed * wide(self.weight(f"{p}.indexer.k_norm.weight")) + wide(self.weight(f"{p}.indexer.k_norm.bias"))
+        return fp8.round_trip_scaled(out.to(x.dtype))
+
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
+                pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions each query attends: (selected [B, T, K] ascending, padded with 0; count [B, T]).
+
+        Score of key s for the query at position t: sum over index heads j, in order, of w_j * ReLU(q_j . k_s), fp32
+        (q_j: the FP8-rounded index query of head j; w = weights_proj x / sqrt(index_head_dim * index_n_heads));
+        each dot product is one element of the invariant GEMM, so a score has the same bits on every schedule. Keys
+        s <= t of the cache are candidates; when there are at most `index_topk`, all are kept (dense attention),
+        else the `index_topk` highest scores, ties to the lowest position (a stable sort)."""
+        c = self.cfg
+        assert c.index_n_heads is not None and c.index_head_dim is not None and c.index_topk is not None
+        b, t, _ = x.shape
+        nh, d = c.index_n_heads, c.index_head_dim
+        q = fp8.round_trip_scaled(self._lin(qr, f"{p}.indexer.wq_b.weight").view(b, t, nh, d))
+        w = wide(self._lin(x, f"{p}.indexer.weights_proj.weight")) * torch.tensor((d * nh) ** -0.5)  # [B, T, nh]
+        keys = cache.index
+        assert keys is not None
+        s = keys.shape[1]
+        k_sel = min(c.index_topk, s)
+        visible = (torch.arange(s, device=x.device).view(1, 1, s) <= pos.unsqueeze(-1)) & (
+            torch.arange(s, device=x.device).view(1, 1, s) < cache.length.view(b, 1, 1))  # [B, T, S]
+        top = torch.zeros(b, t, k_sel, dtype=torch.long, device=x.device)
+        for i in range(b):
+            dots = self.k.linear(wide(q[i]).reshape(t * nh, d), wide(keys[i])).view(t, nh, s).clamp(min=0)
+            score = w[i, :, 0:1] * dots[:, 0]
+            for j in range(1, nh):
+                score = score + w[i, :, j : j + 1] * dots[:, j]
+            score = torch.where(visible[i], score, torch.full((), float("-inf"), device=x.device))
+            top[i] = torch.sort(torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k_sel]).values
+        candidates = visible.sum(-1)  # position t + 1 of each query (its keys are 0..t)
+        ranks = torch.arange(k_sel, device=x.device).view(1, 1, k_sel)
+        dense = (candidates <= k_sel).unsqueeze(-1)  # every candidate kept: positions 0..t
+        selected = torch.where(dense, torch.where(ranks < candidates.unsqueeze(-1), ranks, 0), top)
+        return selected, candidates.clamp(max=k_sel)
+
+    def _sparse_attend(self, q: torch.Tensor, cache: MLACache, selection: tuple[torch.Tensor, torch.Tensor],
+                       values: int) -> torch.Tensor:
+        """q [B, T, H, L] over each token's selected latents (`_select`), in position order: one attention per
+        token, its H heads the queries and its selected latents the keys (values: their first `values` channels)
+        -> [B, T, H, values]. With every visible position selected this is the dense attention's arithmetic (the
+        same keys in the same key tiles), so the bits equal `cache.attend`'s."""
+        selected, count = selection
+        b, t, h, l = q.shape
+        lat = cache.latents().to(q.dtype)
+        keys = torch.stack([lat[i][selected[i]] for i in range(b)])  # [B, T, K, L]
+        keys = keys.reshape(b * t, -1, 1, l)
+        n = count.reshape(b * t).clamp(min=1)
+        o = self.k.attention(q.reshape(b * t, h, 1, l), keys,
+                             keys[..., :values], (n - 1).view(-1, 1).expand(b * t, h), n,
+                             (self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5)
+        return o.view(b, t, h, values)
 
     # --- the model ------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -166,7 +166,18 @@ def mla_specs(c: TextConfig) -> dict[str, WeightSpec]:
     if c.mla_use_output_gate:
         specs["g_proj.weight"] = _lin(nh * c.v_head_dim, h)
     specs["o_proj.weight"] = _lin(h, nh * c.v_head_dim)
+    if c.index_topk is not None:
+        specs.update({f"indexer.{k}": v for k, v in indexer_specs(c).items()})
     return specs
+
+
+def indexer_specs(c: TextConfig) -> dict[str, WeightSpec]:
+    """The DSA lightning indexer of an MLA layer (K3.1 Pro; DeepSeek-V3.2's names, as vLLM's sparse-MLA code reads
+    them): per-head index queries from the low-rank query, one index key per token (LayerNorm'd), per-head weights."""
+    assert c.index_n_heads is not None and c.index_head_dim is not None and c.q_lora_rank is not None
+    h, nh, d = c.hidden_size, c.index_n_heads, c.index_head_dim
+    return {"wq_b.weight": _lin(nh * d, c.q_lora_rank), "wk.weight": _lin(d, h), "k_norm.weight": _norm(d),
+            "k_norm.bias": WeightSpec((d,), False, "bias"), "weights_proj.weight": _lin(nh, h)}
 
 
 def mlp_specs(hidden: int, inter: int) -> dict[str, WeightSpec]:

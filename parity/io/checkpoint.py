@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parity.config import COMPUTE_DTYPES, ConfigError, ModelConfig, load_model_config, require_runnable
+from parity.config import COMPUTE_DTYPES, ConfigError, ModelConfig, load_model_config
 from parity.quant import mxfp4
 from parity.weights import (WeightSpec, is_quantized, official_name, pack_quantized, packed_names, stored_specs,
                             text_specs)
@@ -183,7 +183,7 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
-    cfg = require_runnable(load_model_config(path))
+    cfg = load_model_config(path)
     index = _read_index(path)
     files = sorted(set(index.values())) if index is not None else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -256,7 +256,7 @@ def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: 
     computed) in `dtype`, by default the config's `torch_dtype`."""
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    cfg = require_runnable(load_model_config(config_path))
+    cfg = load_model_config(config_path)
     dtype = dtype or cfg.text.torch_dtype
     raw = dict(cfg.raw)
     raw["torch_dtype"] = dtype

@@ -27,6 +27,16 @@ def dequantize(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.float() * LATENT_SCALE).to(dtype)
 
 
+def round_trip_scaled(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as an FP8 cache with one power-of-two scale per row holds it (the DSA index keys and queries, as
+    vLLM quantises them: e4m3 codes of x / s with s = 2^ceil(log2(amax / 448)), a UE8M0 scale), in x's dtype: exact
+    in bf16 and fp32 (an e4m3 value times a power of two). Not differentiable (the indexer's output is a selection)."""
+    xf = wide(x)
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    return ((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(STORAGE_DTYPE).float() * scale).to(x.dtype)
+
+
 def round_trip(x: torch.Tensor) -> torch.Tensor:
     """x as an FP8 latent cache stores and returns it, in x's dtype; differentiable (straight-through), so a trainer
     attends over the same quantised latents as the rollout and still back-propagates into the latent projection."""

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from parity.config import TextConfig
+from parity.reference.dsa import index_scores, select
 from parity.reference.ops import linear, rms_norm
 
 
@@ -46,7 +47,8 @@ def mla_latent(x: Tensor, w: Mapping[str, Tensor], cfg: TextConfig) -> tuple[Ten
 def mla_layer(x: Tensor, w: Mapping[str, Tensor], cfg: TextConfig) -> Tensor:
     """K3 MLA block (vLLM `MultiHeadLatentAttention.forward`): causal latent attention, gate, o_proj.
 
-    y = o_proj(attn(x) * sigmoid(g_proj x)) with the gate only when `mla_use_output_gate`.
+    y = o_proj(attn(x) * sigmoid(g_proj x)) with the gate only when `mla_use_output_gate`; with the DSA indexer
+    (`index_topk`) each query attends only the positions it selects (`parity.reference.dsa`).
     x: [T, D] f64; w: this layer's `self_attn.*` tensors by relative name -> [T, D] f64.
     """
     n_tokens, n_heads = x.shape[0], cfg.num_attention_heads
@@ -57,12 +59,17 @@ def mla_layer(x: Tensor, w: Mapping[str, Tensor], cfg: TextConfig) -> Tensor:
     w_kv = w["kv_b_proj.weight"].view(n_heads, nope + dv, cfg.kv_lora_rank)  # rows per head: [k_nope ; v]
     w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]  # [N, P, L], [N, V, L]
     scale = cfg.qk_head_dim**-0.5
+    keep = [list(range(t + 1)) for t in range(n_tokens)]  # keys 0..t
+    if cfg.index_topk is not None:
+        qr = rms_norm(linear(x, w["q_a_proj.weight"]), w["q_a_layernorm.weight"], cfg.rms_norm_eps)
+        keep = select(index_scores(x, qr, w, cfg), cfg.index_topk)
     out = x.new_empty(n_tokens, n_heads, dv)
     for t in range(n_tokens):
+        s = torch.tensor(keep[t])
         q_latent = torch.einsum("np,npl->nl", q_nope[t], w_uk)  # W_UK_n^T q_nope_n: [N, L]
-        scores = scale * (q_latent @ c[: t + 1].T + q_pe[t] @ k_pe[: t + 1].T)  # [N, t + 1], keys 0..t
+        scores = scale * (q_latent @ c[s].T + q_pe[t] @ k_pe[s].T)  # [N, len(s)]
         probs = torch.softmax(scores, dim=-1)
-        out[t] = torch.einsum("nl,nvl->nv", probs @ c[: t + 1], w_uv)  # W_UV_n (sum_s p_s c_s)
+        out[t] = torch.einsum("nl,nvl->nv", probs @ c[s], w_uv)  # W_UV_n (sum_s p_s c_s)
     attn = out.reshape(n_tokens, n_heads * dv)  # heads back to [T, N*V]
     if cfg.mla_use_output_gate:
         attn = attn * torch.sigmoid(linear(x, w["g_proj.weight"]))

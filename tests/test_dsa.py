@@ -1,0 +1,96 @@
+"""K3.1's DSA lightning indexer in the shared forward (configs/k3.1-tiny.yaml: bf16, MXFP4 experts, FP8 latents and
+index keys, each query attending its 16 best positions): the selection and the sparse attention keep every schedule's
+bits (prefill then decode, one pass, alone or in a batch) with sparsity live; positions whose whole context fits in
+top-k give dense attention's bits; the selection is the float64 reference's."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.config import ConfigError, load_model_config, parse_model_config
+from parity.io.checkpoint import init_checkpoint, load_checkpoint
+from parity.kernels import INVARIANT
+from parity.model import K3Forward, K3Weights, MLACache, decode_logprobs, score_sequences
+from parity.reference.dsa import index_keys, index_scores, select
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "k3.1-tiny.yaml"
+TOPK = 16
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> K3Weights:
+    cfg, tensors = load_checkpoint(init_checkpoint(CONFIG, tmp_path_factory.mktemp("k3.1-tiny") / "ckpt", seed=0))
+    assert cfg.text.index_topk == TOPK
+    return K3Weights.from_official(cfg.text, tensors)
+
+
+def _seqs(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(4, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_every_schedule_has_the_one_pass_bits_with_sparsity_live(weights: K3Weights) -> None:
+    """Sequences of 23 to 70 tokens (up to 4x top-k): prefilling 10 tokens then decoding one at a time, or scoring
+    each sequence alone, gives the batched one-pass log-probs bit for bit; and they differ from dense attention's
+    past top-k (the indexer selects)."""
+    fwd = K3Forward(weights, INVARIANT)
+    seqs = _seqs(70, 23, 41)
+    one = score_sequences(fwd, seqs)
+    dense = score_sequences(K3Forward(_without_indexer(weights), INVARIANT), seqs)
+    for s, lp, d in zip(seqs, one, dense):
+        assert torch.equal(decode_logprobs(fwd, s[:10], s[10:]), lp[9:])
+        assert torch.equal(score_sequences(fwd, [s])[0], lp)
+        assert torch.equal(lp[:TOPK], d[:TOPK])  # every context within top-k: the dense bits
+        assert not torch.equal(lp[TOPK:], d[TOPK:])  # longer contexts attend a selection
+
+
+def _without_indexer(weights: K3Weights) -> K3Weights:
+    cfg = replace(weights.cfg, index_n_heads=None, index_head_dim=None, index_topk=None)
+    return K3Weights(cfg, {n: t for n, t in weights.tensors.items() if ".indexer." not in n})
+
+
+def test_selection_is_the_float64_references(tmp_path: Path) -> None:
+    """The indexer of an fp32 k3.1-tiny on random inputs: the positions each of 48 queries selects equal the float64
+    reference's (`parity.reference.dsa`) wherever the reference's top-k boundary is not a near tie."""
+    cfg, tensors = load_checkpoint(init_checkpoint(CONFIG, tmp_path / "ckpt", seed=1, dtype="float32"))
+    fwd = K3Forward(K3Weights.from_official(cfg.text, tensors), INVARIANT)
+    p = "language_model.layers.3.self_attn"
+    w = {n[len(p) + 1 :]: t.double() for n, t in tensors.items() if n.startswith(p + ".")}
+    g = torch.Generator().manual_seed(2)
+    t = 48
+    x = torch.randn(1, t, cfg.text.hidden_size, generator=g)
+    qr = torch.randn(1, t, cfg.text.q_lora_rank, generator=g)
+    cache = MLACache(torch.zeros(1, 0, cfg.text.mla_latent_size), torch.zeros(1, dtype=torch.long),
+                     torch.zeros(1, 0, cfg.text.index_head_dim))
+    cache.append(torch.zeros(1, t, cfg.text.mla_latent_size), torch.tensor([t]), fwd._index_keys(x, p))
+    selected, count = fwd._select(x, qr, p, cache, torch.arange(t).view(1, t))
+    ref_scores = index_scores(x[0].double(), qr[0].double(), w, cfg.text)
+    assert torch.allclose(cache.index[0].double(), index_keys(x[0].double(), w), rtol=0.07, atol=1e-6)
+    ref = select(ref_scores, TOPK)
+    checked = 0
+    for row, keep in enumerate(ref):
+        got = selected[0, row, : int(count[0, row])].tolist()
+        ranked = ref_scores[row, : row + 1].sort(descending=True).values
+        if row + 1 > TOPK and (ranked[TOPK - 1] - ranked[TOPK]).abs() < 1e-3 * ranked[0].abs():
+            continue  # a near tie at the boundary: fp32 may order it either way
+        assert got == keep, (row, got, keep)
+        checked += 1
+    assert checked >= 40 and any(len(k) == TOPK and k != list(range(TOPK)) for k in ref)
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    ({"index_topk": 0}, "index_n_heads, index_head_dim and index_topk, each an integer >= 1"),
+    ({"index_head_dim": None}, "index_n_heads, index_head_dim and index_topk"),
+    ({"q_lora_rank": None}, "reads the low-rank query (q_lora_rank)"),
+])
+def test_bad_indexer_configs_are_refused(edit: dict, says: str) -> None:
+    raw = dict(load_model_config(CONFIG).raw)
+    raw["text_config"] = {**raw["text_config"], **edit}
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        parse_model_config(raw)
