@@ -296,21 +296,6 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     raise ConfigError(f"config: model_type must be 'kimi_k3' or 'kimi_linear', got {model_type!r}")
 
 
-def require_runnable(cfg: ModelConfig) -> ModelConfig:
-    """`cfg` if zerokl's engines can run it as written; a config they would run as something else is refused: the DSA
-    indexer (K3.1 Pro's `index_n_heads` / `index_head_dim` / `index_topk`) runs in the shared forward
-    (`parity.model`) but neither the vLLM engine's paged cache nor the trainers hold its index keys and weights yet,
-    and dense attention in its place would be another model."""
-    t = cfg.text
-    keys = [k for k, v in (("index_n_heads", t.index_n_heads), ("index_head_dim", t.index_head_dim),
-                           ("index_topk", t.index_topk)) if v is not None]
-    if keys:
-        raise ConfigError(f"this config has the DSA sparse-attention indexer ({', '.join(keys)}), which zerokl's "
-                          "rollout engine and trainers do not run yet (the shared forward, parity.model, does): "
-                          "running it as dense attention would be another model")
-    return cfg
-
-
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read a YAML/JSON config file, or a checkpoint directory's config.json."""
     p = Path(path)

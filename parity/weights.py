@@ -171,6 +171,12 @@ def mla_specs(c: TextConfig) -> dict[str, WeightSpec]:
     return specs
 
 
+def is_indexer(name: str) -> bool:
+    """An official name of a DSA indexer tensor. The trainers hold them frozen: the loss reaches the indexer only
+    through the discrete top-k, which has no gradient."""
+    return ".self_attn.indexer." in name
+
+
 def indexer_specs(c: TextConfig) -> dict[str, WeightSpec]:
     """The DSA lightning indexer of an MLA layer (K3.1 Pro; DeepSeek-V3.2's names, as vLLM's sparse-MLA code reads
     them): per-head index queries from the low-rank query, one index key per token (LayerNorm'd), per-head weights."""

@@ -27,6 +27,8 @@ from torch import nn
 from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.model import KDACache
+from parity.kernels.attention import gather_paged
+from parity.quant import fp8
 from rollout.paged_pool import attend_paged
 from rollout.backends import (
     KDAStateBackend,
@@ -90,34 +92,70 @@ def _register(layer: nn.Module, prefix: str, vllm_config: VllmConfig) -> None:
     ctx[prefix] = layer
 
 
-class PagedLatentCache:
-    """`parity.model.MLACache` over vLLM's paged latents for one `StepGroup`."""
+def index_entry_size(cfg: TextConfig) -> int:
+    """What a token's DSA index key takes in its MLA layer's cache entry, beside the latent, in cache elements: the FP8
+    codes and their fp32 scale's bytes (`fp8.pack_scaled`) in an FP8 cache, the values themselves (FP8-rounded,
+    exact) in a compute-dtype cache; 0 without the indexer."""
+    if cfg.index_head_dim is None:
+        return 0
+    return cfg.index_head_dim + (fp8.SCALE_BYTES if cfg.latent_cache else 0)
 
-    def __init__(self, pages: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, length: torch.Tensor):
-        self.pages = pages  # [num_blocks, block_size, L]
+
+class PagedLatentCache:
+    """`parity.model.MLACache` over vLLM's paged latents for one `StepGroup`; with the DSA indexer each token's entry
+    holds its index key after the latent (`index_entry_size`)."""
+
+    def __init__(self, pages: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, length: torch.Tensor,
+                 latent_size: int, index_dtype: torch.dtype | None = None):
+        self.pages = pages  # [num_blocks, block_size, L (+ index entry)]
         self.block_table = block_table  # [B, max_blocks]
         self.slots = slots  # [B, T] flat slot of each new token, -1 on padding
         self.length = length  # [B] valid positions
+        self.latent_size = latent_size
+        self.index_dtype = index_dtype  # the index keys' compute dtype; None without the indexer
 
-    def append(self, new: torch.Tensor, lens: torch.Tensor) -> None:
-        """Write `new[b, :lens[b]]` (the slots already say where) and extend each row's length."""
+    @property
+    def _latent_pages(self) -> torch.Tensor:
+        return self.pages if self.index_dtype is None else self.pages[..., : self.latent_size]
+
+    def append(self, new: torch.Tensor, lens: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Write `new[b, :lens[b]]` (and its index keys) where the slots say and extend each row's length."""
         keep = self.slots >= 0
         slots = self.slots[keep]
         block_size = self.pages.shape[1]
-        self.pages[slots // block_size, slots % block_size] = new[keep].to(self.pages.dtype)  # exact (model's values)
+        at = (slots // block_size, slots % block_size)
+        self._latent_pages[at] = new[keep].to(self.pages.dtype)  # exact (the model's values)
+        if index is not None:
+            entry = fp8.pack_scaled(index[keep]) if self.pages.dtype == fp8.STORAGE_DTYPE else index[keep]
+            self.pages[..., self.latent_size :][at] = entry.to(self.pages.dtype)
         self.length = self.length + lens
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`parity.model.MLACache.attend` with the keys read from vLLM's pages through the block table."""
-        return attend_paged(kernels, self.pages, self.block_table, self.length, q, values, q_pos, scale)
+        return attend_paged(kernels, self._latent_pages, self.block_table, self.length, q, values, q_pos, scale)
+
+    def latents(self) -> torch.Tensor:
+        """[B, S, L] every position's latent, gathered from the pages (`parity.model.MLACache.latents`)."""
+        return gather_paged(self._latent_pages, self.block_table, self.length)
+
+    @property
+    def index(self) -> torch.Tensor | None:
+        """[B, S, index_head_dim] every position's index key in the compute dtype (`parity.model.MLACache.index`)."""
+        if self.index_dtype is None:
+            return None
+        entries = gather_paged(self.pages[..., self.latent_size :], self.block_table, self.length)
+        if self.pages.dtype == fp8.STORAGE_DTYPE:
+            return fp8.unpack_scaled(entries, self.index_dtype)
+        return entries.to(self.index_dtype)
 
 
 class LatentCacheLayer(nn.Module, AttentionLayerBase):
     """One MLA layer's latents in vLLM's paged KV cache (`[num_blocks, block_size, L]` in `dtype` once bound)."""
 
-    def __init__(self, latent_size: int, dtype: torch.dtype, prefix: str, vllm_config: VllmConfig):
+    def __init__(self, cfg: TextConfig, dtype: torch.dtype, prefix: str, vllm_config: VllmConfig):
         super().__init__()
-        self.latent_size = latent_size
+        self.cfg = cfg
+        self.latent_size = cfg.mla_latent_size + index_entry_size(cfg)  # a token's entry
         self.dtype = dtype
         self.prefix = prefix
         self.kv_cache = torch.tensor([])
@@ -136,7 +174,8 @@ class LatentCacheLayer(nn.Module, AttentionLayerBase):
     def view(self, meta: LatentMetadata, group: StepGroup) -> PagedLatentCache:
         slots = group.gather(meta.slot_mapping, fill=-1)
         return PagedLatentCache(self.kv_cache, meta.block_table[group.rows], slots,
-                                meta.layout.context_lens[group.rows])
+                                meta.layout.context_lens[group.rows], self.cfg.mla_latent_size,
+                                None if self.cfg.index_head_dim is None else self.cfg.compute_dtype)
 
 
 class KDAStateLayer(nn.Module, MambaBase):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lora.push import VERSION_SEP
-from parity.config import load_model_config, require_runnable
+from parity.config import load_model_config
 from parity.kernels.logprobs import Sampling
 from rollout import records
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
@@ -96,7 +96,7 @@ class RolloutEngine:
         from vllm import LLM
 
         self.kernels = kernels
-        model_cfg = require_runnable(load_model_config(checkpoint))
+        model_cfg = load_model_config(checkpoint)
         overrides = hf_overrides(kernels, model_cfg.model_type)
         with _engine_core_in_process():
             self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from parity.config import load_model_config, require_runnable
+from parity.config import load_model_config
 from parity.kernels import KERNEL_SETS, get_kernels
 from rollout.lora_server import LORA_ROOT_ENV
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         lora = LoraServing(Path(args.lora_root), args.max_loras, args.max_lora_rank)
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    cfg = require_runnable(load_model_config(args.checkpoint))
+    cfg = load_model_config(args.checkpoint)
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,
                       lora)
     os.execve(argv[0], argv, {**os.environ, **(lora.env() if lora else {})})

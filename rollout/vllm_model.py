@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from parity.config import ModelConfig, load_model_config, require_runnable
+from parity.config import ModelConfig, load_model_config
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, KDACache, record_routing
 from parity.quant import fp8
@@ -55,7 +55,7 @@ def checkpoint_config(vllm_config: VllmConfig) -> ModelConfig:
     path = Path(vllm_config.model_config.model)
     if not (path / "config.json").is_file():
         raise ModelSetupError(f"zerokl serves local checkpoint directories; {path} has no config.json")
-    return require_runnable(load_model_config(path))
+    return load_model_config(path)
 
 
 def _kernels_name(vllm_config: VllmConfig) -> str:
@@ -120,7 +120,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         self.record_hooks: tuple[Any, ...] = ()
         self.cache_layers = nn.ModuleList(
             KDAStateLayer(cfg, self.kernels.name, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
-            else LatentCacheLayer(cfg.mla_latent_size, fp8.STORAGE_DTYPE if cfg.latent_cache else cfg.compute_dtype,
+            else LatentCacheLayer(cfg, fp8.STORAGE_DTYPE if cfg.latent_cache else cfg.compute_dtype,
                                   f"{prefix}cache_layers.{i}", vllm_config)
             for i in range(cfg.num_hidden_layers)
         )

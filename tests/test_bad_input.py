@@ -152,24 +152,6 @@ def test_check_arguments_are_checked(argv: list[str], k3_tiny: Path) -> None:
     assert exit_.value.code == 2
 
 
-def test_dsa_indexer_checkpoints_are_refused_by_the_engines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A K3.1 checkpoint (the DSA indexer: the shared forward runs it, tests/test_dsa.py) is refused by the rollout
-    engine, the server and the trainers, which do not hold its index keys and weights yet, rather than run as dense
-    attention."""
-    ckpt = tmp_path / "k3.1-tiny"
-    assert main(["init-checkpoint", "--config", "configs/k3.1-tiny.yaml", "--out", str(ckpt)]) == 0
-    says = "DSA sparse-attention indexer (index_n_heads, index_head_dim, index_topk)"
-    for argv in (["parity", "check", "--model", str(ckpt)], ["serve", "--checkpoint", str(ckpt)],
-                 ["ppo", "--config", str(_ppo_config(ckpt, tmp_path)), "--out", str(tmp_path / "run")]):
-        _user_error(argv, capsys, says)
-
-
-def _ppo_config(ckpt: Path, tmp_path: Path) -> Path:
-    cfg = tmp_path / "ppo.yaml"
-    cfg.write_text(f"model: {ckpt}\nsteps: 1\nwandb: disabled\n")
-    return cfg
-
-
 def test_zero_stage_without_deepspeed_is_refused(k3_tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _user_error(["parity", "check", "--model", str(k3_tiny), "--zero-stage", "2"], capsys,
                 "--zero-stage is only read with --backend deepspeed, not megatron")

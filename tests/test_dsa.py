@@ -1,7 +1,9 @@
 """K3.1's DSA lightning indexer in the shared forward (configs/k3.1-tiny.yaml: bf16, MXFP4 experts, FP8 latents and
 index keys, each query attending its 16 best positions): the selection and the sparse attention keep every schedule's
 bits (prefill then decode, one pass, alone or in a batch) with sparsity live; positions whose whole context fits in
-top-k give dense attention's bits; the selection is the float64 reference's."""
+top-k give dense attention's bits; the selection is the float64 reference's; both trainers give the shared forward's
+bits and train with the indexer frozen; the real vLLM engine (index keys in its paged FP8 cache beside the latents)
+samples the shared forward's bits under chunked prefill, batching and prefix-cache hits."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from parity.io.checkpoint import init_checkpoint, load_checkpoint
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, MLACache, decode_logprobs, score_sequences
 from parity.reference.dsa import index_keys, index_scores, select
+from parity.weights import is_indexer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "k3.1-tiny.yaml"
@@ -24,8 +27,13 @@ TOPK = 16
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory: pytest.TempPathFactory) -> K3Weights:
-    cfg, tensors = load_checkpoint(init_checkpoint(CONFIG, tmp_path_factory.mktemp("k3.1-tiny") / "ckpt", seed=0))
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_checkpoint(CONFIG, tmp_path_factory.mktemp("k3.1-tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="module")
+def weights(checkpoint: Path) -> K3Weights:
+    cfg, tensors = load_checkpoint(checkpoint)
     assert cfg.text.index_topk == TOPK
     return K3Weights.from_official(cfg.text, tensors)
 
@@ -33,6 +41,28 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> K3Weights:
 def _seqs(*lengths: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(4, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.slow
+def test_vllm_engine_samples_the_shared_forwards_bits(checkpoint: Path, weights: K3Weights) -> None:
+    """Prompts of 37-75 tokens (a 48-token shared prefix), 12 sampled tokens each, 24-token prefill chunks, in one
+    batch, then again from a warm prefix cache (hits inside a cache block): every sampled log-prob equals the one-pass
+    shared forward's bit for bit, with the index keys read back from vLLM's FP8 pages; the warm run samples the cold
+    run's tokens."""
+    from rollout.engine import RolloutEngine
+
+    shared = _seqs(48)[0]
+    prompts = [shared + tail for tail in _seqs(3, 27)] + _seqs(37, 60)
+    fwd = K3Forward(weights, INVARIANT)
+    with RolloutEngine(checkpoint, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=24,
+                       enable_prefix_caching=True, prefix_match_unit=16) as eng:
+        cold = eng.generate(prompts, n=2, temperature=0.9, max_tokens=12, seed=3)
+        warm = eng.generate(prompts, n=2, temperature=0.9, max_tokens=12, seed=3)
+    assert any(w.cached_tokens >= 32 for w in warm), [w.cached_tokens for w in warm]
+    for c, w in zip(cold, warm):
+        assert c.completion_ids == w.completion_ids and torch.equal(c.logprobs, w.logprobs)
+        ref = score_sequences(fwd, [c.prompt_ids + c.completion_ids], 0.9)[0][len(c.prompt_ids) - 1 :]
+        assert torch.equal(ref, c.logprobs)
 
 
 def test_every_schedule_has_the_one_pass_bits_with_sparsity_live(weights: K3Weights) -> None:
@@ -94,3 +124,29 @@ def test_bad_indexer_configs_are_refused(edit: dict, says: str) -> None:
     raw["text_config"] = {**raw["text_config"], **edit}
     with pytest.raises(ConfigError, match=re.escape(says)):
         parse_model_config(raw)
+
+
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_trainers_have_the_shared_forward_bits_and_keep_the_indexer_frozen(backend: str, checkpoint: Path,
+                                                                           weights: K3Weights) -> None:
+    """Megatron and DeepSpeed ZeRO-3 on k3.1-tiny: log-probs = the shared forward's (torch.equal) on sequences
+    longer than top-k; one optimizer step changes the model but not the indexer (frozen: the loss reaches it only
+    through the discrete top-k)."""
+    from trainer.backend import build_backend
+    from trainer.logprobs import PaddedBatch, token_logprobs
+
+    seqs = _seqs(40, 27)
+    batch = PaddedBatch.from_sequences(seqs)
+    want = score_sequences(K3Forward(weights, INVARIANT), seqs)
+    trainer = build_backend(backend, checkpoint, lr=1e-3, zero_stage=3)
+    try:
+        got = trainer.logprobs(batch, 1.0)
+        before = trainer.export_official()
+        trainer.train_step(lambda model: -token_logprobs(model, batch, 1.0).sum() / batch.lens.sum())
+        after = trainer.export_official()
+    finally:
+        trainer.close()
+    assert all(torch.equal(g[: len(s) - 1], w) for g, s, w in zip(got, seqs, want))
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and not any(is_indexer(n) for n in changed)
+    assert any(is_indexer(n) for n in before)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lora.adapter import Adapter, load_adapter
-from parity.config import ConfigError, load_model_config, require_runnable
+from parity.config import ConfigError, load_model_config
 from trainer.base import TrainerBackend
 
 BACKENDS = ("megatron", "deepspeed")
@@ -38,8 +38,6 @@ def build_backend(name: str, checkpoint: str | Path, *, lr: float = 0.0, clip_gr
     if value_head_lr is not None and name != "megatron":
         raise ConfigError(f"a value head (advantage: gae) trains on the megatron backend only, not {name!r}")
     checkpoint = Path(checkpoint)
-    if (checkpoint / "config.json").is_file():
-        require_runnable(load_model_config(checkpoint))
     if adapter is not None and not isinstance(adapter, Adapter):
         adapter = load_adapter(adapter, load_model_config(checkpoint).text)
     if name == "megatron":

@@ -27,14 +27,40 @@ def dequantize(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.float() * LATENT_SCALE).to(dtype)
 
 
+SCALE_BYTES = 4  # a row scale's fp32 bytes beside its codes (`pack_scaled`)
+
+
+def _row_scale(xf: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale of each row of fp32 `xf` [..., D]: 2^ceil(log2(amax / 448)) (a UE8M0 scale) [..., 1]."""
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+
+
 def round_trip_scaled(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] as an FP8 cache with one power-of-two scale per row holds it (the DSA index keys and queries, as
     vLLM quantises them: e4m3 codes of x / s with s = 2^ceil(log2(amax / 448)), a UE8M0 scale), in x's dtype: exact
     in bf16 and fp32 (an e4m3 value times a power of two). Not differentiable (the indexer's output is a selection)."""
     xf = wide(x)
-    amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    scale = _row_scale(xf)
     return ((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(STORAGE_DTYPE).float() * scale).to(x.dtype)
+
+
+def pack_scaled(values: torch.Tensor) -> torch.Tensor:
+    """`round_trip_scaled` values [..., D] -> their cache entry [..., D + SCALE_BYTES] in e4m3 storage: the codes, then
+    the row's fp32 scale as raw bytes (K3.1's index key: 128 + 4 = 132 bytes). Re-quantising such values with their
+    own row scale is exact (each is an e4m3 code times a power of two no larger than the scale found), so
+    `unpack_scaled` gives `values` back bit for bit."""
+    v = wide(values)
+    scale = _row_scale(v)
+    codes = (v / scale).to(STORAGE_DTYPE)
+    return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(STORAGE_DTYPE)
+
+
+def unpack_scaled(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A `pack_scaled` entry [..., D + SCALE_BYTES] -> the values [..., D] in `dtype` (exact)."""
+    raw = packed.view(torch.uint8)
+    codes, scale = raw[..., :-SCALE_BYTES], raw[..., -SCALE_BYTES:].contiguous().view(torch.float32)
+    return (codes.view(STORAGE_DTYPE).float() * scale).to(dtype)
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:

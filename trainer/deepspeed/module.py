@@ -35,7 +35,7 @@ from parity.config import TextConfig
 from parity.kernels import get_kernels
 from parity.kernels.linear import LoRA
 from parity.model import K3Forward, K3Weights
-from parity.weights import WeightSpec, text_names, text_specs
+from parity.weights import WeightSpec, is_indexer, text_names, text_specs
 from parity.kernels.logprobs import Sampling
 from trainer.logprobs import padded_logprobs
 
@@ -182,6 +182,9 @@ class DeepSpeedK3Model(nn.Module):
             module = self._container(path, _is_projection(spec, attr), spec.shape, dtype)
             if not isinstance(module, Projection) or attr != "weight":
                 module.register_parameter(attr, nn.Parameter(torch.empty(spec.shape, dtype=dtype)))
+        for name, param in self.named_parameters():
+            if is_indexer(name):
+                param.requires_grad_(False)
         self.blocks = block_paths(cfg)
         self.scope_paths = scope_groups(cfg)
         self.scope_keys = {key: str(i) for i, key in enumerate(self.scope_paths)}

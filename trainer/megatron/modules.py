@@ -148,6 +148,25 @@ class MLA(MegatronModule):
         if c.mla_use_output_gate:
             self.g_proj = _column(config, h, nh * c.v_head_dim)
         self.o_proj = _row(config, nh * c.v_head_dim, h)
+        if c.index_topk is not None:
+            self.indexer = Indexer(config)
+
+
+class Indexer(MegatronModule):
+    """The DSA lightning indexer (K3.1), replicated and frozen (`parity.weights.is_indexer`)."""
+
+    def __init__(self, config: K3TransformerConfig):
+        super().__init__(config)
+        c = config.k3.text
+        assert c.index_n_heads is not None and c.index_head_dim is not None and c.q_lora_rank is not None
+        h, nh, d = c.hidden_size, c.index_n_heads, c.index_head_dim
+        self.wq_b = Weight(_param(config, nh * d, c.q_lora_rank))
+        self.wk = Weight(_param(config, d, h))
+        self.k_norm = Weight(_param(config, d))
+        self.k_norm.bias = _param(config, d)
+        self.weights_proj = Weight(_param(config, nh, h))
+        for p in self.parameters():
+            p.requires_grad_(False)
 
 
 class MLP(MegatronModule):

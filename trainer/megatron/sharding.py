@@ -71,6 +71,12 @@ _LAYER: dict[str, Split] = {
     "self_attn.kv_a_proj_with_mqa.weight": Split.REGION_REPLICATED,
     "self_attn.kv_a_layernorm.weight": Split.REGION_REPLICATED,
     "self_attn.kv_b_proj.weight": Split.COLUMN,
+    # the DSA indexer (K3.1): whole on every rank inside the MLA region, frozen
+    "self_attn.indexer.wq_b.weight": Split.REGION_REPLICATED,
+    "self_attn.indexer.wk.weight": Split.REGION_REPLICATED,
+    "self_attn.indexer.k_norm.weight": Split.REGION_REPLICATED,
+    "self_attn.indexer.k_norm.bias": Split.REGION_REPLICATED,
+    "self_attn.indexer.weights_proj.weight": Split.REGION_REPLICATED,
     # dense MLP and LatentMoE
     "mlp.gate_proj.weight": Split.COLUMN,
     "mlp.up_proj.weight": Split.COLUMN,

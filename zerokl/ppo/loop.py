@@ -91,12 +91,12 @@ import torch
 
 from lora.adapter import Adapter
 from parity.compare import SequenceLogprobs, compare
-from parity.config import ConfigError
+from parity.config import ConfigError, load_model_config
 from parity.diagnose import diagnose
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, record_routing
 from parity.routing import per_sequence, routing_agreement
-from parity.weights import bf16_bytes, serving_weights
+from parity.weights import bf16_bytes, is_indexer, serving_weights, text_specs
 from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import explained_variance, gae_advantages, grpo_advantages, masked_whiten, ppo_loss, value_loss
 from trainer.backend import DEFAULT_ZERO_STAGE
@@ -183,6 +183,10 @@ class PPORun:
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
                                      adapter=adapter, zero_stage=cfg.zero_stage, value_head_lr=cfg.value_lr)
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
+        frozen = [n for n in text_specs(self.backend.model_cfg.text) if is_indexer(n)]
+        if frozen and self.rank0:
+            log(f"DSA indexer: its {len(frozen)} tensors stay frozen (the loss reaches them only through the top-k "
+                f"selection, which has no gradient); they are synced unchanged")
         self.reference = reference_forward(cfg, base) if self.rank0 and cfg.kl_coef > 0 else None
         self.engine: Any = None
         self.sync: WeightSync | None = None
@@ -648,8 +652,6 @@ def check_prompt_lengths(task: Any, tokenizer: Any, room: int) -> None:
 
 def check_reference(path: Path, base: Path) -> None:
     """Before anything starts: the reference checkpoint `path` has the policy's (`base`'s) text architecture."""
-    from parity.config import load_model_config
-
     if load_model_config(path).text != load_model_config(base).text:
         raise ConfigError(f"ref_model {path}: its text model config differs from the policy's ({base}); the reference "
                           "must have the policy's architecture")
@@ -713,7 +715,6 @@ def initial_adapter(cfg: PPOConfig, checkpoint: Path, resume: Path | None) -> Ad
     """The adapter a LoRA run starts from: the resumed checkpoint's, `lora_init`, or PEFT's init (B = 0)."""
     from lora.adapter import load_adapter
     from lora.init import peft_default_adapter
-    from parity.config import load_model_config
     from trainer.base import ADAPTER_DIR
 
     text = load_model_config(checkpoint).text
