@@ -150,22 +150,23 @@ class PagedLatentCache:
 
 
 class LatentCacheLayer(nn.Module, AttentionLayerBase):
-    """One MLA layer's latents in vLLM's paged KV cache (`[num_blocks, block_size, L]` in `dtype` once bound)."""
+    """One MLA layer's latents (and DSA index keys) in vLLM's paged KV cache (`[num_blocks, block_size, entry_size]` in
+    `dtype` once bound)."""
 
     def __init__(self, cfg: TextConfig, dtype: torch.dtype, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.cfg = cfg
-        self.latent_size = cfg.mla_latent_size + index_entry_size(cfg)  # a token's entry
+        self.entry_size = cfg.mla_latent_size + index_entry_size(cfg)  # a token's latent (+ index key)
         self.dtype = dtype
         self.prefix = prefix
         self.kv_cache = torch.tensor([])
         _register(self, prefix, vllm_config)
 
     def get_attn_backend(self) -> type[AttentionBackend]:
-        return latent_backend(self.latent_size, self.dtype)
+        return latent_backend(self.entry_size, self.dtype)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return latent_spec(vllm_config.cache_config.block_size, self.latent_size, self.dtype)
+        return latent_spec(vllm_config.cache_config.block_size, self.entry_size, self.dtype)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """vLLM's view is `[num_blocks, heads=1, block_size, L]`; keep `[num_blocks, block_size, L]`."""
