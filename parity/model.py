@@ -399,17 +399,16 @@ class K3Forward:
         out = normed * wide(self.weight(f"{p}.indexer.k_norm.weight")) + wide(self.weight(f"{p}.indexer.k_norm.bias"))
         return fp8.round_trip_scaled(out.to(x.dtype))
 
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
-                pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions each query attends: (selected [B, T, K] ascending, padded with 0; count [B, T]).
+    def index_scores(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
+                     pos: torch.Tensor) -> torch.Tensor:
+        """The indexer's score of every cached key for every query: [B, T, S] fp32, -inf where key s is not a candidate
+        (s > the query's position, or past the cache).
 
         Score of key s for the query at position t: sum over index heads j, in order, of w_j * ReLU(q_j . k_s), fp32
         (q_j: the FP8-rounded index query of head j; w = weights_proj x / sqrt(index_head_dim * index_n_heads));
-        each dot product is one element of the invariant GEMM, so a score has the same bits on every schedule. Keys
-        s <= t of the cache are candidates; when there are at most `index_topk`, all are kept (dense attention),
-        else the `index_topk` highest scores, ties to the lowest position (a stable sort)."""
+        each dot product is one element of the invariant GEMM, so a score has the same bits on every schedule."""
         c = self.cfg
-        assert c.index_n_heads is not None and c.index_head_dim is not None and c.index_topk is not None
+        assert c.index_n_heads is not None and c.index_head_dim is not None
         b, t, _ = x.shape
         nh, d = c.index_n_heads, c.index_head_dim
         q = fp8.round_trip_scaled(self._lin(qr, f"{p}.indexer.wq_b.weight").view(b, t, nh, d))
@@ -417,18 +416,28 @@ class K3Forward:
         keys = cache.index
         assert keys is not None
         s = keys.shape[1]
-        k_sel = min(c.index_topk, s)
-        visible = (torch.arange(s, device=x.device).view(1, 1, s) <= pos.unsqueeze(-1)) & (
-            torch.arange(s, device=x.device).view(1, 1, s) < cache.length.view(b, 1, 1))  # [B, T, S]
-        top = torch.zeros(b, t, k_sel, dtype=torch.long, device=x.device)
+        key_pos = torch.arange(s, device=x.device).view(1, 1, s)
+        visible = (key_pos <= pos.unsqueeze(-1)) & (key_pos < cache.length.view(b, 1, 1))  # [B, T, S]
+        scores = []
         for i in range(b):
             dots = self.k.linear(wide(q[i]).reshape(t * nh, d), wide(keys[i])).view(t, nh, s).clamp(min=0)
             score = w[i, :, 0:1] * dots[:, 0]
             for j in range(1, nh):
                 score = score + w[i, :, j : j + 1] * dots[:, j]
-            score = torch.where(visible[i], score, torch.full((), float("-inf"), device=x.device))
-            top[i] = torch.sort(torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k_sel]).values
-        candidates = visible.sum(-1)  # position t + 1 of each query (its keys are 0..t)
+            scores.append(score)
+        return torch.where(visible, torch.stack(scores), torch.full((), float("-inf"), device=x.device))
+
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
+                pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions each query attends: (selected [B, T, K] ascending, padded with 0; count [B, T]). The keys
+        s <= t of the cache are the candidates (`index_scores`); when there are at most `index_topk`, all are kept
+        (dense attention), else the `index_topk` highest scores, ties to the lowest position (a stable sort)."""
+        assert self.cfg.index_topk is not None
+        scores = self.index_scores(x, qr, p, cache, pos)
+        b, t, s = scores.shape
+        k_sel = min(self.cfg.index_topk, s)
+        top = torch.sort(torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k_sel], dim=-1).values
+        candidates = (scores > float("-inf")).sum(-1)  # position t + 1 of each query (its keys are 0..t)
         ranks = torch.arange(k_sel, device=x.device).view(1, 1, k_sel)
         dense = (candidates <= k_sel).unsqueeze(-1)  # every candidate kept: positions 0..t
         selected = torch.where(dense, torch.where(ranks < candidates.unsqueeze(-1), ranks, 0), top)

@@ -114,6 +114,36 @@ def test_selection_is_the_float64_references(tmp_path: Path) -> None:
     assert checked >= 40 and any(len(k) == TOPK and k != list(range(TOPK)) for k in ref)
 
 
+def test_scores_are_vllms_deepseek_v32_indexer_logits(tmp_path: Path) -> None:
+    """The indexer's scores (fp32 k3.1-tiny, random inputs, 40 queries) equal those of vLLM's torch reference of
+    DeepSeek-V3.2's indexer logits (`fp8_mqa_logits_torch`: FP8 query codes . FP8 key codes x the key scale, ReLU,
+    weighted by weights_proj with the query scale folded in, summed over heads) from the same codes and scales, to that
+    reference's bf16 rounding of each dot product; the same keys are candidates."""
+    from parity.quant import fp8
+    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import fp8_mqa_logits_torch
+
+    cfg, tensors = load_checkpoint(init_checkpoint(CONFIG, tmp_path / "ckpt", seed=3, dtype="float32"))
+    c = cfg.text
+    fwd = K3Forward(K3Weights.from_official(c, tensors), INVARIANT)
+    p, t = "language_model.layers.7.self_attn", 40
+    g = torch.Generator().manual_seed(4)
+    x, qr = torch.randn(1, t, c.hidden_size, generator=g), torch.randn(1, t, c.q_lora_rank, generator=g)
+    cache = MLACache(torch.zeros(1, 0, c.mla_latent_size), torch.zeros(1, dtype=torch.long),
+                     torch.zeros(1, 0, c.index_head_dim))
+    cache.append(torch.zeros(1, t, c.mla_latent_size), torch.tensor([t]), fwd._index_keys(x, p))
+    ours = fwd.index_scores(x, qr, p, cache, torch.arange(t).view(1, t))[0]
+    q_codes, q_scale = fp8.quantize_scaled(fwd._lin(qr, f"{p}.indexer.wq_b.weight").view(t, c.index_n_heads, -1))
+    k_codes, k_scale = fp8.quantize_scaled(cache.index[0])
+    weights = fwd._lin(x, f"{p}.indexer.weights_proj.weight")[0] * (c.index_head_dim * c.index_n_heads) ** -0.5
+    ks, ke = torch.zeros(t, dtype=torch.int32), torch.arange(1, t + 1, dtype=torch.int32)
+    theirs = fp8_mqa_logits_torch(q_codes, (k_codes, k_scale), weights * q_scale[..., 0], ks, ke)
+    # each of its dots rounded to bf16 (relative 2^-9): |error| <= 2^-9 sum_j |w_j| ReLU(q_j . k), doubled for margin
+    bound = 2 ** -8 * fp8_mqa_logits_torch(q_codes, (k_codes, k_scale), (weights * q_scale[..., 0]).abs(), ks, ke)
+    finite = torch.isfinite(ours)
+    assert torch.equal(finite, torch.isfinite(theirs)) and finite.sum() == t * (t + 1) // 2
+    assert ((ours - theirs)[finite].abs() <= bound[finite] + 1e-30).all()
+
+
 @pytest.mark.parametrize(("edit", "says"), [
     ({"index_topk": 0}, "index_n_heads, index_head_dim and index_topk, each an integer >= 1"),
     ({"index_head_dim": None}, "index_n_heads, index_head_dim and index_topk"),

@@ -36,13 +36,19 @@ def _row_scale(xf: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
 
 
-def round_trip_scaled(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] as an FP8 cache with one power-of-two scale per row holds it (the DSA index keys and queries, as
-    vLLM quantises them: e4m3 codes of x / s with s = 2^ceil(log2(amax / 448)), a UE8M0 scale), in x's dtype: exact
-    in bf16 and fp32 (an e4m3 value times a power of two). Not differentiable (the indexer's output is a selection)."""
+def quantize_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (e4m3 codes of x / s [..., D], s [..., 1] fp32) with one power-of-two scale per row,
+    s = 2^ceil(log2(amax / 448)) (a UE8M0 scale, as vLLM quantises the DSA index keys and queries)."""
     xf = wide(x)
     scale = _row_scale(xf)
-    return ((xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(STORAGE_DTYPE).float() * scale).to(x.dtype)
+    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(STORAGE_DTYPE), scale
+
+
+def round_trip_scaled(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] as an FP8 cache with one power-of-two scale per row holds it (`quantize_scaled`), in x's dtype: exact
+    in bf16 and fp32 (an e4m3 value times a power of two). Not differentiable (the indexer's output is a selection)."""
+    codes, scale = quantize_scaled(x)
+    return (codes.float() * scale).to(x.dtype)
 
 
 def pack_scaled(values: torch.Tensor) -> torch.Tensor:
@@ -50,9 +56,7 @@ def pack_scaled(values: torch.Tensor) -> torch.Tensor:
     the row's fp32 scale as raw bytes (K3.1's index key: 128 + 4 = 132 bytes). Re-quantising such values with their
     own row scale is exact (each is an e4m3 code times a power of two no larger than the scale found), so
     `unpack_scaled` gives `values` back bit for bit."""
-    v = wide(values)
-    scale = _row_scale(v)
-    codes = (v / scale).to(STORAGE_DTYPE)
+    codes, scale = quantize_scaled(values)
     return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(STORAGE_DTYPE)
 
 

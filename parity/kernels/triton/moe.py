@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import (INTERPRET, check_dtype, dot_precision, mma, pow2, row_blocks, sigmoid_f32,
+from parity.kernels.triton._common import (INTERPRET, check_dtype, dot_precision, mma, row_blocks, sigmoid_f32,
                                            tanh_f32, weight_tile)
 from parity.kernels.moe import expert_counts
 from parity.quant.bf16 import holds_bf16_values
