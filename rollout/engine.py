@@ -310,16 +310,15 @@ class RolloutEngine:
         """`sample` with the worker's records of its request: the raw log-prob of each completion token (sampled into
         positions len(prompt) ...) and, with MoE layers, the routing of each input position (all but the last token)."""
         first, n = len(sample.prompt_ids), len(sample.completion_ids)
-        positions, raw = recorded.get("raw_positions"), recorded.get("raw_logprobs")
-        at = {} if positions is None else dict(zip(positions.tolist(), raw))
-        if any(p not in at for p in range(first, first + n)):
+        raw = recorded.get("raw", torch.empty(0))[first : first + n]
+        if raw.shape[0] != n or bool(raw.isnan().any()):
             raise RolloutError(f"the engine recorded no raw log-prob for some completion tokens of a request "
                                f"(positions {first}..{first + n - 1})")
         routing = recorded.get("routing")
         if self.text_cfg.num_moe_layers and (routing is None or routing.shape[0] != first + n - 1):
             raise RolloutError(f"the engine recorded routing for {0 if routing is None else routing.shape[0]} "
                                f"positions of a request with {first + n - 1} input positions")
-        return replace(sample, raw_logprobs=torch.stack([at[p] for p in range(first, first + n)]), routing=routing)
+        return replace(sample, raw_logprobs=raw, routing=routing)
 
 
 def lora_engine_args(adapter_rank: int, max_loras: int = 1) -> dict[str, Any]:

@@ -63,20 +63,22 @@ class WorkerRecords:
         self._raw_step = None
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per request: "routing" [max position + 1, L, top_k] (`NOT_COMPUTED` where no step computed the position;
-        absent for a model without MoE layers) and "raw" (position -> raw log-prob, as two tensors "raw_positions"
-        int64 and "raw_logprobs" fp32)."""
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for request, by_pos in self.raw.items():
-            positions = sorted(by_pos)
-            out[request] = {"raw_positions": torch.tensor(positions, dtype=torch.int64),
-                            "raw_logprobs": torch.tensor([by_pos[p] for p in positions], dtype=torch.float32)}
+        """Per request, by position: "raw" [max position + 1] fp32, the raw log-prob of the token sampled into each
+        position (NaN where none was), and "routing" [max position + 1, L, top_k] (`NOT_COMPUTED` where no step
+        computed the position; absent for a model without MoE layers)."""
+        out = {request: {"raw": _by_position(rows, (), float("nan"), torch.float32)}
+               for request, rows in self.raw.items()}
         for request, rows in self.routing.items():
-            t = torch.full((max(rows) + 1, *self.shape), NOT_COMPUTED, dtype=torch.int32)
-            for pos, ids in rows.items():
-                t[pos] = ids
-            out.setdefault(request, {})["routing"] = t
+            out.setdefault(request, {})["routing"] = _by_position(rows, self.shape, NOT_COMPUTED, torch.int32)
         return out
+
+
+def _by_position(rows: dict[int, Any], shape: tuple[int, ...], fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """{position: value of `shape`} -> [max position + 1, *shape], `fill` where a position has none."""
+    out = torch.full((max(rows) + 1, *shape), fill, dtype=dtype)
+    for pos, value in rows.items():
+        out[pos] = value
+    return out
 
 
 def start(worker: Any) -> None:

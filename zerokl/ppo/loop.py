@@ -291,13 +291,13 @@ class PPORun:
 
     # --- one step -----------------------------------------------------------------------------------
     def _reference_logprobs(self, batch: Any, index: torch.Tensor) -> torch.Tensor | None:
-        """Rank 0: the reference policy's log-probs of the sampled tokens [N, T] (None without a KL penalty; with one
-        the sampling has no truncation, the config refuses it)."""
+        """Rank 0: the reference policy's log-probs of the sampled tokens [N, T] under the loss's distribution
+        (`PPOConfig.loss_sampling`); None without a KL penalty."""
         if self.reference is None:
             return None
         from trainer.logprobs import padded_logprobs
 
-        with torch.no_grad():  # under the loss's distribution
+        with torch.no_grad():
             lp = padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.loss_sampling)
         return lp.gather(1, index)
 
@@ -569,8 +569,8 @@ class PPORun:
         adapter = self.backend.export_adapter() if self.cfg.lora else None
         if not self.rank0:
             return self.backend.broadcast(None)
-        which = "raw " if report["parity"].all_equal else ""
-        first = next(d for d in report[f"parity{'_raw' if which else ''}"].sequences if d.first_mismatch is not None)
+        rep, which = (report["parity_raw"], "raw ") if report["parity"].all_equal else (report["parity"], "")
+        first = next(d for d in rep.sequences if d.first_mismatch is not None)
         s = samples[int(first.id)]
         weights = K3Weights.from_official(self.backend.model_cfg.text, base)
         if adapter is not None:
