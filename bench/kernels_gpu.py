@@ -2,7 +2,8 @@
 
 Baselines: cuBLAS (torch.matmul), torch RMSNorm (F.rms_norm), SDPA, fla chunk_kda / fused_recurrent_kda
 (if fla-core is importable), torch.log_softmax, torch.topk, F.conv1d, torch._grouped_mm (or a per-expert
-matmul loop). Shapes: M = 1, 64, 4096 tokens at K3-small and K3-full layer widths, bf16.
+matmul loop). Shapes: M = 1, 64, 4096 tokens at K3-small and K3-full layer widths, bf16. DSA (K3.1 Pro): sparse
+MLA (index scores, top-k, sparse attention) against the dense invariant attention at 16k and 64k contexts.
 
 Method (the device's METHOD.md): the two ceilings are measured first (device-to-device copy bandwidth,
 bf16 8192^3 cuBLAS rate) and each case prints its floor max(bytes / BW, flops / peak) from the bytes
@@ -481,8 +482,57 @@ def mxfp4_cases(tk) -> list[Case]:
     return out
 
 
+def dsa_cases(tk) -> list[Case]:
+    """K3.1 Pro's sparse MLA against dense MLA attention on the same latents: one layer at TP 8 (96 / 8 = 12 query
+    heads, latents 512 + 64, values 512), index 32 heads x 128, top-k 2048; decode B = 8 and a 1024-token prefill
+    chunk at the end of 16k and 64k contexts. Rows: the whole sparse path (index scores, the top-k positions, sparse
+    attention), the sparse attention alone, the selection alone; the baseline is the dense invariant attention."""
+    from parity.kernels.dsa import top_positions
+    from parity.quant import fp8
+
+    h, lat, dv, nh, di, topk = 12, 576, 512, 32, 128, 2048
+    scale = 192 ** -0.5
+    out = []
+    for s_len in (16384, 65536):
+        for name, b, tq in (("decode B=8", 8, 1), ("prefill chunk", 1, 1024)):
+            latents = rnd(b, s_len, 1, lat)
+            keys = fp8.round_trip_scaled(rnd(b, s_len, di))
+            q = rnd(b, tq, h, lat)
+            qi = fp8.round_trip_scaled(rnd(b, tq, nh, di))
+            w = rnd(b, tq, nh, dtype=torch.float32)
+            pos = torch.arange(s_len - tq, s_len, device=DEV).expand(b, tq).contiguous()
+            lens = torch.full((b,), s_len, device=DEV)
+            rows = pos.repeat_interleave(h, dim=1)
+
+            def select(i, qi=qi, w=w, keys=keys, pos=pos, lens=lens):
+                return top_positions(tk.TRITON.index_scores(qi, w, keys, pos, lens), topk)
+
+            sel, count = select(0)
+
+            def dense(i, q=q, latents=latents, rows=rows, lens=lens, b=b, tq=tq):
+                return tk.TRITON.attention(q.view(b, tq * h, 1, lat), latents, latents[..., :dv], rows, lens, scale)
+
+            def sparse(i, q=q, latents=latents, sel=sel, count=count):
+                return tk.TRITON.sparse_attention(q, latents, sel, count, dv, scale)
+
+            def whole(i, q=q, latents=latents, select=select):
+                return tk.TRITON.sparse_attention(q, latents, *select(i), dv, scale)
+
+            dense_fl = 2.0 * b * tq * h * s_len * (lat + dv)
+            sparse_fl = 2.0 * b * tq * h * topk * (lat + dv)
+            score_fl = 2.0 * b * tq * nh * di * s_len
+            lat_bytes, key_bytes = 2.0 * b * s_len * lat, 2.0 * b * s_len * di
+            shape = f"{name} Tq={tq} S={s_len} H={h} d={lat}/{dv} top-k={topk}"
+            out += [Case("dsa: scores + top-k + sparse attention", shape, whole, dense, "dense invariant attention",
+                         sparse_fl + score_fl, key_bytes + min(lat_bytes, 2.0 * b * tq * topk * lat), 1),
+                    Case("dsa: sparse attention alone", shape, sparse, dense, "dense invariant attention", sparse_fl,
+                         min(lat_bytes, 2.0 * b * tq * topk * lat), 1),
+                    Case("dsa: index scores + top-k alone", shape, select, None, "-", score_fl, key_bytes, 1)]
+    return out
+
+
 ALL = {"linear": linear_cases, "kda": kda_cases, "attention": attention_cases, "rowwise": rowwise_cases,
-       "conv": conv_cases, "misc": misc_cases, "moe": moe_cases, "mxfp4": mxfp4_cases}
+       "conv": conv_cases, "misc": misc_cases, "moe": moe_cases, "mxfp4": mxfp4_cases, "dsa": dsa_cases}
 
 
 # --- GEMM config sweep ----------------------------------------------------------------------------

@@ -35,7 +35,6 @@ from parity.config import ModelConfig  # noqa: E402
 from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
 from parity.kernels import get_kernels  # noqa: E402
 from parity.model import K3Forward, K3Weights, MLACache, new_cache  # noqa: E402
-from parity.quant import fp8  # noqa: E402
 from parity.weights import serving_weights  # noqa: E402
 from rollout.decode_graph import GraphedDecode  # noqa: E402
 from rollout.paged_pool import PagedLatentPool  # noqa: E402
@@ -61,9 +60,8 @@ def prefill(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_toke
     text = cfg.text
     b = len(prompts)
     longest = max(map(len, prompts)) + max_tokens
-    caches = [PagedLatentPool(b, c.latent.shape[-1], BLOCK, -(-longest // BLOCK) + 1,
-                              fp8.STORAGE_DTYPE if text.latent_cache else text.compute_dtype, "cuda",
-                              torch.Generator().manual_seed(seed))
+    caches = [PagedLatentPool.for_config(text, b, BLOCK, -(-longest // BLOCK) + 1, "cuda",
+                                         torch.Generator().manual_seed(seed))
               if isinstance(c, MLACache) else c for c in new_cache(text, b)]
     done = [0] * b
     last_hidden = [None] * b

@@ -37,6 +37,7 @@ import torch
 
 from parity.config import TextConfig
 from parity.kernels import Kernels
+from parity.kernels.dsa import top_positions
 from parity.kernels.linear import LoRA, k_segments
 from parity.kernels.logprobs import Sampling
 from parity.kernels.moe import experts_combine
@@ -130,15 +131,17 @@ class MLACache:
             self.index = _appended(self.index, index, self.length, lens)
         self.length = end
 
-    def latents(self) -> torch.Tensor:
-        """[B, S, L]: every position's latent (past `length`: stale or zero)."""
-        return self.latent
-
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`kernels.attention` of q [B, Tq, 1, L] over the cached latents as one key head (keys: the whole latent;
         values: its first `values` channels) -> [B, Tq, 1, values]."""
         lat = self.latent.to(q.dtype).unsqueeze(2)  # an FP8-rounded latent is held exactly in the compute dtype
         return kernels.attention(q, lat, lat[..., :values], q_pos, self.length, scale)
+
+    def sparse_attend(self, kernels: Kernels, q: torch.Tensor, selected: torch.Tensor, count: torch.Tensor,
+                      values: int, scale: float) -> torch.Tensor:
+        """`kernels.sparse_attention` of q [B, T, H, L] over each token's selected latents ([B, T, K] positions, the
+        first `count` [B, T] real) -> [B, T, H, values]."""
+        return kernels.sparse_attention(q, self.latent.to(q.dtype).unsqueeze(2), selected, count, values, scale)
 
 
 def _appended(buf: torch.Tensor, new: torch.Tensor, length: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -381,7 +384,8 @@ class K3Forward:
         if c.index_topk is None:
             o_lat = cache.attend(self.k, q_abs, r, pos.repeat_interleave(h, dim=1), (dn + dr) ** -0.5)
         else:
-            o_lat = self._sparse_attend(q_abs.view(b, t, h, r + dr), cache, self._select(x, qr, p, cache, pos), r)
+            selected, count = self._select(x, qr, p, cache, pos)
+            o_lat = cache.sparse_attend(self.k, q_abs.view(b, t, h, r + dr), selected, count, r, (dn + dr) ** -0.5)
         o_lat = o_lat.view(b, t, h, r)
         o = torch.stack([self.k.linear(o_lat[:, :, i], uv[i]) for i in range(h)], dim=2)  # [B, T, H, dv]
         if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
@@ -404,61 +408,27 @@ class K3Forward:
         """The indexer's score of every cached key for every query: [B, T, S] fp32, -inf where key s is not a candidate
         (s > the query's position, or past the cache).
 
-        Score of key s for the query at position t: sum over index heads j, in order, of w_j * ReLU(q_j . k_s), fp32
-        (q_j: the FP8-rounded index query of head j; w = weights_proj x / sqrt(index_head_dim * index_n_heads));
-        each dot product is one element of the invariant GEMM, so a score has the same bits on every schedule."""
+        Score of key s for the query at position t: sum over index heads j of w_j * ReLU(q_j . k_s) (the kernel set's
+        `index_scores`; q_j: the FP8-rounded index query of head j; w = weights_proj x / sqrt(index_head_dim *
+        index_n_heads)). The scores only choose positions (no gradient reaches them), so they are computed from
+        detached inputs."""
         c = self.cfg
         assert c.index_n_heads is not None and c.index_head_dim is not None
         b, t, _ = x.shape
         nh, d = c.index_n_heads, c.index_head_dim
+        x, qr = x.detach(), qr.detach()
         q = fp8.round_trip_scaled(self._lin(qr, f"{p}.indexer.wq_b.weight").view(b, t, nh, d))
         w = wide(self._lin(x, f"{p}.indexer.weights_proj.weight")) * torch.tensor((d * nh) ** -0.5)  # [B, T, nh]
         keys = cache.index
         assert keys is not None
-        s = keys.shape[1]
-        key_pos = torch.arange(s, device=x.device).view(1, 1, s)
-        visible = (key_pos <= pos.unsqueeze(-1)) & (key_pos < cache.length.view(b, 1, 1))  # [B, T, S]
-        scores = []
-        for i in range(b):
-            dots = self.k.linear(wide(q[i]).reshape(t * nh, d), wide(keys[i])).view(t, nh, s).clamp(min=0)
-            score = w[i, :, 0:1] * dots[:, 0]
-            for j in range(1, nh):
-                score = score + w[i, :, j : j + 1] * dots[:, j]
-            scores.append(score)
-        return torch.where(visible, torch.stack(scores), torch.full((), float("-inf"), device=x.device))
+        return self.k.index_scores(q.detach(), w.detach(), keys.detach().to(q.dtype), pos, cache.length)
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
                 pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions each query attends: (selected [B, T, K] ascending, padded with 0; count [B, T]). The keys
-        s <= t of the cache are the candidates (`index_scores`); when there are at most `index_topk`, all are kept
-        (dense attention), else the `index_topk` highest scores, ties to the lowest position (a stable sort)."""
+        """The positions each query attends (`parity.kernels.dsa.top_positions` of `index_scores`): (selected
+        [B, T, K] ascending, padded with 0; count [B, T])."""
         assert self.cfg.index_topk is not None
-        scores = self.index_scores(x, qr, p, cache, pos)
-        b, t, s = scores.shape
-        k_sel = min(self.cfg.index_topk, s)
-        top = torch.sort(torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k_sel], dim=-1).values
-        candidates = (scores > float("-inf")).sum(-1)  # position t + 1 of each query (its keys are 0..t)
-        ranks = torch.arange(k_sel, device=x.device).view(1, 1, k_sel)
-        dense = (candidates <= k_sel).unsqueeze(-1)  # every candidate kept: positions 0..t
-        selected = torch.where(dense, torch.where(ranks < candidates.unsqueeze(-1), ranks, 0), top)
-        return selected, candidates.clamp(max=k_sel)
-
-    def _sparse_attend(self, q: torch.Tensor, cache: MLACache, selection: tuple[torch.Tensor, torch.Tensor],
-                       values: int) -> torch.Tensor:
-        """q [B, T, H, L] over each token's selected latents (`_select`), in position order: one attention per
-        token, its H heads the queries and its selected latents the keys (values: their first `values` channels)
-        -> [B, T, H, values]. With every visible position selected this is the dense attention's arithmetic (the
-        same keys in the same key tiles), so the bits equal `cache.attend`'s."""
-        selected, count = selection
-        b, t, h, l = q.shape
-        lat = cache.latents().to(q.dtype)
-        keys = torch.stack([lat[i][selected[i]] for i in range(b)])  # [B, T, K, L]
-        keys = keys.reshape(b * t, -1, 1, l)
-        n = count.reshape(b * t).clamp(min=1)
-        o = self.k.attention(q.reshape(b * t, h, 1, l), keys,
-                             keys[..., :values], (n - 1).view(-1, 1).expand(b * t, h), n,
-                             (self.cfg.qk_nope_head_dim + self.cfg.qk_rope_head_dim) ** -0.5)
-        return o.view(b, t, h, values)
+        return top_positions(self.index_scores(x, qr, p, cache, pos), self.cfg.index_topk)
 
     # --- the model ------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -557,10 +527,12 @@ def score_sequences(fwd: K3Forward, seqs: list[list[int]], temperature: float = 
     return [lp[i, : len(s) - 1] for i, s in enumerate(seqs)]
 
 
-def decode_logprobs(fwd: K3Forward, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+def decode_logprobs(fwd: K3Forward, prompt: list[int], completion: list[int], temperature: float = 1.0,
+                    caches: list[KDACache | MLACache] | None = None) -> torch.Tensor:
     """The rollout engine's schedule for one sequence: prefill `prompt`, then feed one completion token per
-    step through the caches. Returns [len(completion)] fp32: entry j is log p(completion[j] | prompt, completion[:j])."""
-    caches = new_cache(fwd.cfg, 1, fwd.dtype)
+    step through the caches (`caches`: empty ones for one sequence, e.g. paged MLA latents; default `new_cache`).
+    Returns [len(completion)] fp32: entry j is log p(completion[j] | prompt, completion[:j])."""
+    caches = new_cache(fwd.cfg, 1, fwd.dtype) if caches is None else caches
     hidden = fwd.hidden(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1),
                         torch.tensor([len(prompt)]), caches)[:, -1]
     out = [fwd.token_logprobs(fwd.logits(hidden), torch.tensor(completion[:1]), temperature)]

@@ -28,8 +28,7 @@ from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.model import KDACache
 from parity.kernels.attention import gather_paged
-from parity.quant import fp8
-from rollout.paged_pool import attend_paged
+from rollout.paged_pool import attend_paged, index_entry_size, pack_index, sparse_attend_paged, unpack_index
 from rollout.backends import (
     KDAStateBackend,
     KDAStateMetadata,
@@ -92,15 +91,6 @@ def _register(layer: nn.Module, prefix: str, vllm_config: VllmConfig) -> None:
     ctx[prefix] = layer
 
 
-def index_entry_size(cfg: TextConfig) -> int:
-    """What a token's DSA index key takes in its MLA layer's cache entry, beside the latent, in cache elements: the FP8
-    codes and their fp32 scale's bytes (`fp8.pack_scaled`) in an FP8 cache, the values themselves (FP8-rounded,
-    exact) in a compute-dtype cache; 0 without the indexer."""
-    if cfg.index_head_dim is None:
-        return 0
-    return cfg.index_head_dim + (fp8.SCALE_BYTES if cfg.latent_cache else 0)
-
-
 class PagedLatentCache:
     """`parity.model.MLACache` over vLLM's paged latents for one `StepGroup`; with the DSA indexer each token's entry
     holds its index key after the latent (`index_entry_size`)."""
@@ -126,27 +116,25 @@ class PagedLatentCache:
         at = (slots // block_size, slots % block_size)
         self._latent_pages[at] = new[keep].to(self.pages.dtype)  # exact (the model's values)
         if index is not None:
-            entry = fp8.pack_scaled(index[keep]) if self.pages.dtype == fp8.STORAGE_DTYPE else index[keep]
-            self.pages[..., self.latent_size :][at] = entry.to(self.pages.dtype)
+            self.pages[..., self.latent_size :][at] = pack_index(index[keep], self.pages.dtype)
         self.length = self.length + lens
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
         """`parity.model.MLACache.attend` with the keys read from vLLM's pages through the block table."""
         return attend_paged(kernels, self._latent_pages, self.block_table, self.length, q, values, q_pos, scale)
 
-    def latents(self) -> torch.Tensor:
-        """[B, S, L] every position's latent, gathered from the pages (`parity.model.MLACache.latents`)."""
-        return gather_paged(self._latent_pages, self.block_table, self.length)
+    def sparse_attend(self, kernels: Kernels, q: torch.Tensor, selected: torch.Tensor, count: torch.Tensor,
+                      values: int, scale: float) -> torch.Tensor:
+        """`parity.model.MLACache.sparse_attend` with the selected latents read from vLLM's pages."""
+        return sparse_attend_paged(kernels, self._latent_pages, self.block_table, self.length, q, selected, count,
+                                   values, scale)
 
     @property
     def index(self) -> torch.Tensor | None:
         """[B, S, index_head_dim] every position's index key in the compute dtype (`parity.model.MLACache.index`)."""
         if self.index_dtype is None:
             return None
-        entries = gather_paged(self.pages[..., self.latent_size :], self.block_table, self.length)
-        if self.pages.dtype == fp8.STORAGE_DTYPE:
-            return fp8.unpack_scaled(entries, self.index_dtype)
-        return entries.to(self.index_dtype)
+        return unpack_index(gather_paged(self.pages[..., self.latent_size :], self.block_table), self.index_dtype)
 
 
 class LatentCacheLayer(nn.Module, AttentionLayerBase):

@@ -17,9 +17,10 @@ import torch
 from parity.config import ConfigError, load_model_config, parse_model_config
 from parity.io.checkpoint import init_checkpoint, load_checkpoint
 from parity.kernels import INVARIANT
-from parity.model import K3Forward, K3Weights, MLACache, decode_logprobs, score_sequences
+from parity.model import K3Forward, K3Weights, MLACache, decode_logprobs, new_cache, score_sequences
 from parity.reference.dsa import index_keys, index_scores, select
 from parity.weights import is_indexer
+from rollout.paged_pool import PagedLatentPool
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "k3.1-tiny.yaml"
@@ -66,8 +67,9 @@ def test_vllm_engine_samples_the_shared_forwards_bits(checkpoint: Path, weights:
 
 
 def test_every_schedule_has_the_one_pass_bits_with_sparsity_live(weights: K3Weights) -> None:
-    """Sequences of 23 to 70 tokens (up to 4x top-k): prefilling 10 tokens then decoding one at a time, or scoring
-    each sequence alone, gives the batched one-pass log-probs bit for bit; and they differ from dense attention's
+    """Sequences of 23 to 70 tokens (up to 4x top-k): prefilling 10 tokens then decoding one at a time (contiguous
+    caches, or paged FP8 entries of latent and index key as vLLM's cache holds them), or scoring each sequence alone,
+    gives the batched one-pass log-probs bit for bit; and they differ from dense attention's
     past top-k (the indexer selects)."""
     fwd = K3Forward(weights, INVARIANT)
     seqs = _seqs(70, 23, 41)
@@ -75,6 +77,9 @@ def test_every_schedule_has_the_one_pass_bits_with_sparsity_live(weights: K3Weig
     dense = score_sequences(K3Forward(_without_indexer(weights), INVARIANT), seqs)
     for s, lp, d in zip(seqs, one, dense):
         assert torch.equal(decode_logprobs(fwd, s[:10], s[10:]), lp[9:])
+        paged = [PagedLatentPool.for_config(weights.cfg, 1, 8, 9) if isinstance(c, MLACache) else c
+                 for c in new_cache(weights.cfg, 1)]  # FP8 latents and index keys in shuffled blocks, NaN elsewhere
+        assert torch.equal(decode_logprobs(fwd, s[:10], s[10:], caches=paged), lp[9:])
         assert torch.equal(score_sequences(fwd, [s])[0], lp)
         assert torch.equal(lp[:TOPK], d[:TOPK])  # every context within top-k: the dense bits
         assert not torch.equal(lp[TOPK:], d[TOPK:])  # longer contexts attend a selection

@@ -288,7 +288,7 @@ def test_attention_decode_equals_prefill_and_paged() -> None:
     cache_k[perm[-1], t % block :] = float("nan")
     cache_v[perm[-1], t % block :] = float("nan")
     table = perm.view(1, -1)
-    paged = INVARIANT.attention(q[:1], gather_paged(cache_k, table, lens[:1]), gather_paged(cache_v, table, lens[:1]),
+    paged = INVARIANT.attention(q[:1], gather_paged(cache_k, table), gather_paged(cache_v, table),
                                 pos[:1], lens[:1], 0.2)
     assert_bits(paged, full[:1])
     ref = FAST.attention(q.double(), k.double(), v.double(), pos, lens, 0.2)

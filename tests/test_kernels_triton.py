@@ -413,8 +413,8 @@ def test_attention_decode_equals_prefill_and_paged(p: Platform, d: int, dv: int)
     cache_k[perm[-1], t % block :] = float("nan")
     cache_v[perm[-1], t % block :] = float("nan")
     table = perm.view(1, -1)
-    gathered = p.k.attention(p.t(q[:1]), p.t(gather_paged(cache_k, table, lens[:1])),
-                             p.t(gather_paged(cache_v, table, lens[:1])), p.t(pos[:1]), p.t(lens[:1]), 0.2)
+    gathered = p.k.attention(p.t(q[:1]), p.t(gather_paged(cache_k, table)),
+                             p.t(gather_paged(cache_v, table)), p.t(pos[:1]), p.t(lens[:1]), 0.2)
     assert_bits(gathered, full[:1])
     paged = p.mod.attention_paged(p.t(q[:1]), p.t(cache_k), p.t(cache_v), p.t(table), p.t(pos[:1]), p.t(lens[:1]), 0.2)
     assert_bits(paged, full[:1])
@@ -436,6 +436,88 @@ def test_attention_batch_invariant(p: Platform, batch: int, data: st.DataObject)
     alone = p.k.attention(p.t(q[i : i + 1, :t]), p.t(k[i : i + 1, :t]), p.t(v[i : i + 1, :t]), p.t(pos[i : i + 1, :t]),
                           p.t(lens[i : i + 1]), 0.3)
     assert_bits(alone[0], full[i, :t])
+
+
+# --- DSA indexer: scores and sparse attention -------------------------------------------------------
+
+def _fp8_rounded(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    from parity.quant import fp8
+
+    return fp8.round_trip_scaled(torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_index_scores_any_schedule_and_close_to_cpu(p: Platform, dtype: torch.dtype) -> None:
+    """A query's scores are the same bits scored with its whole batch (3 rows, 70 queries, across the 64-query and
+    64-key tiles), alone as decode (one query, its own cache length) and with fewer queries; -inf exactly where a
+    key is not visible; close to the CPU invariant op."""
+    b, t, nh, d = 3, 70, 4, 32
+    q, keys = _fp8_rounded(b, t, nh, d, seed=1, dtype=dtype), _fp8_rounded(b, t, d, seed=2, dtype=dtype)
+    w = torch.randn(b, t, nh, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(t).expand(b, t)
+    lens = torch.tensor([t, 65, 30])
+    full = p.k.index_scores(p.t(q), p.t(w), p.t(keys), p.t(pos), p.t(lens)).cpu()
+    visible = (torch.arange(t).view(1, 1, t) <= pos.unsqueeze(-1)) & (torch.arange(t).view(1, 1, t) < lens.view(b, 1, 1))
+    assert torch.equal(torch.isinf(full), ~visible)
+    for row, i in ((0, 69), (0, 64), (1, 63), (2, 5)):
+        n = int(min(i + 1, lens[row]))
+        one = p.k.index_scores(p.t(q[row : row + 1, i : i + 1]), p.t(w[row : row + 1, i : i + 1]),
+                               p.t(keys[row : row + 1, :n]), p.t(pos[row : row + 1, i : i + 1]), p.t(torch.tensor([n])))
+        assert_bits(one[0, 0].cpu(), full[row, i, :n])
+    few = p.k.index_scores(p.t(q[1:2, 60:66]), p.t(w[1:2, 60:66]), p.t(keys[1:2]), p.t(pos[1:2, 60:66]), p.t(lens[1:2]))
+    assert_bits(few[0].cpu(), full[1, 60:66])
+    ref = INVARIANT.index_scores(q, w, keys, pos, lens)
+    finite = torch.isfinite(ref)
+    close(full[finite], ref[finite], 1e-5)
+
+
+def _selection(t: int, count_cap: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query t of one row: `count_cap` random positions of 0..t ascending (all of them when t < count_cap),
+    padded with 0 -> (selected [1, T, K], count [1, T])."""
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.zeros(1, t, count_cap, dtype=torch.long)
+    count = torch.zeros(1, t, dtype=torch.long)
+    for i in range(t):
+        keep = torch.arange(i + 1) if i < count_cap else torch.randperm(i + 1, generator=g)[:count_cap].sort().values
+        sel[0, i, : len(keep)] = keep
+        count[0, i] = len(keep)
+    return sel, count
+
+
+@pytest.mark.parametrize("l,values", [(96, 64), (288, 256)], ids=["narrow", "wide"])
+def test_sparse_attention_is_dense_when_all_selected_and_paged_in_place(p: Platform, l: int, values: int) -> None:
+    """Sparse MLA attention, for queries on both sides of the 64- and 128-key tile edges of a 150-token row: with
+    every visible position selected, the dense attention's bits (the model's layout: rows (token, head), one latent key
+    head); over a selection of 70, paged latents (shuffled blocks, NaN elsewhere) read in place give the contiguous
+    bits, a token alone gives its batch's bits, and the result is close to the CPU invariant op's."""
+    torch.manual_seed(0)
+    t, h, cap = 150, 4, 70
+    q, lat = torch.randn(1, t, h, l), torch.randn(1, t, 1, l)
+    pos = torch.arange(t).view(1, t)
+    some = torch.tensor([0, 63, 64, 69, 70, 127, 128, 149])  # the queries checked (the kernel runs one per token)
+    everything = torch.arange(t).expand(1, t, t).clamp(max=pos.unsqueeze(-1))[:, some].contiguous()
+    sparse_all = p.k.sparse_attention(p.t(q[:, some]), p.t(lat), p.t(everything), p.t(some.view(1, -1) + 1), values,
+                                      0.1)
+    dense = p.k.attention(p.t(q.reshape(1, t * h, 1, l)), p.t(lat), p.t(lat[..., :values]),
+                          p.t(pos.repeat_interleave(h, dim=1)), p.t(torch.tensor([t])), 0.1).view(1, t, h, values)
+    assert_bits(sparse_all, dense[:, some])
+    sel, count = _selection(t, cap, seed=1)
+    sel, count = sel[:, some].contiguous(), count[:, some].contiguous()
+    got = p.k.sparse_attention(p.t(q[:, some]), p.t(lat), p.t(sel), p.t(count), values, 0.1)
+    block = 16
+    nblk = -(-t // block)
+    perm = torch.randperm(nblk + 3)[:nblk]
+    pages = torch.full((nblk + 3, block, 1, l), float("nan"))
+    pages[perm] = F.pad(lat[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, 1, l)
+    pages[perm[-1], t % block :] = float("nan")
+    paged = p.k.sparse_attention_paged(p.t(q[:, some]), p.t(pages), p.t(perm.view(1, -1)), p.t(sel), p.t(count),
+                                       values, 0.1)
+    assert_bits(paged, got)
+    for j in (0, 4, 7):
+        one = p.k.sparse_attention(p.t(q[:, some[j] : some[j] + 1]), p.t(lat), p.t(sel[:, j : j + 1]),
+                                   p.t(count[:, j : j + 1]), values, 0.1)
+        assert_bits(one[0, 0], got[0, j])
+    close(got, INVARIANT.sparse_attention(q[:, some], lat, sel, count, values, 0.1), 1e-5)
 
 
 # --- AttnRes --------------------------------------------------------------------------------------
@@ -645,7 +727,7 @@ def test_gpu_attention_bf16_decode_equals_prefill(gpu: Platform) -> None:
 # --- GPU only: the whole K3 forward ---------------------------------------------------------------
 
 def _k3_tiny_model(config: str) -> tuple:
-    """(config, random official weights, seed 0) of k3-tiny in fp32 ('k3-tiny') or k3-tiny-mxfp4 (bf16 numerics)."""
+    """(config, random official weights, seed 0) of k3-tiny in fp32 ('k3-tiny'), or a config in its bf16 numerics."""
     import dataclasses
 
     from parity.config import load_model_config
@@ -658,14 +740,14 @@ def _k3_tiny_model(config: str) -> tuple:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4"])
+@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4", "k3.1-tiny"])
 def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str) -> None:
     """k3-tiny on the GPU kernels, in fp32 and in K3's numerics (k3-tiny-mxfp4: bf16, MXFP4 experts dequantised
-    inside the GEMM, an FP8 paged latent pool): sequences scored in one batched pass equal, bit for bit, the same
-    sequences generated token by token (prefill split, then decode) through a paged MLA cache and the chunked KDA
-    state; in fp32 they agree with the CPU invariant forward within fp32 round-off."""
+    inside the GEMM, an FP8 paged latent pool; k3.1-tiny: that with the DSA indexer, its FP8 index keys in the pool
+    beside the latents, each query attending its 16 best positions of up to 150): sequences scored in one batched
+    pass equal, bit for bit, the same sequences generated token by token (prefill split, then decode) through a paged
+    MLA cache and the chunked KDA state; in fp32 they agree with the CPU invariant forward within fp32 round-off."""
     from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
-    from parity.quant import fp8
     from rollout.paged_pool import PagedLatentPool
 
     cfg, official = _k3_tiny_model(config)
@@ -676,10 +758,8 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
         fwd = K3Forward(K3Weights.from_official(cfg.text, {n: t.cuda() for n, t in official.items()}), gpu.k)
         batched = score_sequences(fwd, seqs)
         for seq, split in ((seqs[0], 37), (seqs[1], 70)):
-            caches = new_cache(cfg.text, 1)
-            pool = fp8.STORAGE_DTYPE if cfg.text.latent_cache else cfg.text.compute_dtype
-            caches = [PagedLatentPool(1, c.latent.shape[-1], 16, 24, pool, "cuda") if isinstance(c, MLACache) else c
-                      for c in caches]
+            caches = [PagedLatentPool.for_config(cfg.text, 1, 16, 24, "cuda") if isinstance(c, MLACache) else c
+                      for c in new_cache(cfg.text, 1)]
             out, start = [], 0
             for end in [split, *range(split + 1, len(seq) + 1)]:
                 ids = torch.tensor([seq[start:end]])
@@ -695,13 +775,13 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4"])
+@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4", "k3.1-tiny"])
 def test_gpu_graphed_decode_equals_eager(gpu: Platform, config: str) -> None:
     """Batched decode captured in a CUDA graph (`rollout.decode_graph`) gives the eager step's logits bit for bit,
     step after step, over a paged latent pool and the chunked KDA state (rows of different lengths; decode crosses a
-    64-token KDA chunk boundary), in fp32 and in K3's numerics (bf16, MXFP4 experts, FP8 latents)."""
+    64-token KDA chunk boundary), in fp32 and in K3's numerics (bf16, MXFP4 experts, FP8 latents; k3.1-tiny: with
+    the DSA indexer, contexts past its top-k)."""
     from parity.model import K3Forward, K3Weights, MLACache, new_cache
-    from parity.quant import fp8
     from rollout.decode_graph import GraphedDecode
     from rollout.paged_pool import PagedLatentPool
 
@@ -713,8 +793,7 @@ def test_gpu_graphed_decode_equals_eager(gpu: Platform, config: str) -> None:
         fwd = K3Forward(K3Weights.from_official(cfg.text, {n: t.cuda() for n, t in official.items()}), gpu.k)
 
         def prefilled() -> tuple[list, torch.Tensor]:
-            pool = fp8.STORAGE_DTYPE if cfg.text.latent_cache else cfg.text.compute_dtype
-            caches = [PagedLatentPool(3, c.latent.shape[-1], 16, 6, pool, "cuda") if isinstance(c, MLACache) else c
+            caches = [PagedLatentPool.for_config(cfg.text, 3, 16, 6, "cuda") if isinstance(c, MLACache) else c
                       for c in new_cache(cfg.text, 3)]
             lens = torch.tensor([len(p) for p in prompts])
             ids = torch.tensor([p + [0] * (60 - len(p)) for p in prompts])

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4"])
+@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4", "k3.1-tiny"])
 def test_gpu_trainer_equals_generation_and_resumes(config: str, tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     run = subprocess.run([sys.executable, "bench/ppo_gpu.py", "--config", f"configs/{config}.yaml", "--steps", "4",

@@ -151,8 +151,8 @@ def paged(attention: Callable) -> Callable:
 
     def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float) -> torch.Tensor:
-        k = gather_paged(k_cache, block_table, kv_len).to(q.dtype)
-        v = gather_paged(v_cache, block_table, kv_len).to(q.dtype)
+        k = gather_paged(k_cache, block_table).to(q.dtype)
+        v = gather_paged(v_cache, block_table).to(q.dtype)
         held = (torch.arange(k.shape[1], device=k.device).view(1, -1) < kv_len.view(-1, 1)).view(*k.shape[:2], 1, 1)
         zero = torch.zeros((), dtype=q.dtype, device=q.device)
         return attention(q, torch.where(held, k, zero), torch.where(held, v, zero), q_pos, kv_len, scale)
@@ -161,10 +161,10 @@ def paged(attention: Callable) -> Callable:
     return attention_paged
 
 
-def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """cache: [num_blocks, block_size, ...], block_table: [B, max_blocks] int, seq_lens: [B]
-    -> contiguous [B, max_blocks * block_size, ...]; positions >= seq_lens hold whatever the blocks hold
-    (`paged`'s torch kernels zero them)."""
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, ...], block_table: [B, max_blocks] int -> contiguous
+    [B, max_blocks * block_size, ...]; positions past a row's length hold whatever the blocks hold (`paged`'s torch
+    kernels zero them)."""
     b, nb = block_table.shape
     gathered = cache[block_table.clamp(min=0).reshape(-1)]  # [B * nb, block_size, ...]
     return gathered.reshape(b, nb * cache.shape[1], *cache.shape[2:])

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from parity.kernels import activations, attention, attn_res, conv, kda, linear, logprobs, moe, norms, primitives
+from parity.kernels import activations, attention, attn_res, conv, dsa, kda, linear, logprobs, moe, norms, primitives
 
 KERNEL_SETS = ("invariant", "fast", "triton")
 
@@ -35,6 +35,9 @@ class Kernels:
     kda: Callable
     attention: Callable
     attention_paged: Callable
+    index_scores: Callable
+    sparse_attention: Callable
+    sparse_attention_paged: Callable
     attn_res_mix: Callable
     route: Callable
     token_logprobs: Callable
@@ -57,6 +60,9 @@ INVARIANT = Kernels(
     kda=kda.kda_invariant,
     attention=attention.attention_invariant,
     attention_paged=attention.paged(attention.attention_invariant),
+    index_scores=dsa.index_scores_invariant,
+    sparse_attention=dsa.gathered(attention.attention_invariant),
+    sparse_attention_paged=dsa.paged_sparse(dsa.gathered(attention.attention_invariant)),
     attn_res_mix=attn_res.attn_res_mix_invariant,
     route=moe.route_invariant,
     token_logprobs=logprobs.token_logprobs_invariant,
@@ -76,6 +82,9 @@ FAST = Kernels(
     kda=kda.kda_fast,
     attention=attention.attention_fast,
     attention_paged=attention.paged(attention.attention_fast),
+    index_scores=dsa.index_scores_fast,
+    sparse_attention=dsa.gathered(attention.attention_fast),
+    sparse_attention_paged=dsa.paged_sparse(dsa.gathered(attention.attention_fast)),
     attn_res_mix=attn_res.attn_res_mix_fast,
     route=moe.route_fast,
     token_logprobs=logprobs.token_logprobs_fast,

@@ -12,6 +12,8 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 | short_conv | `conv.py` | W products added in a fixed order, state read by position |
 | kda | `kda.py` | chunk grid anchored at 0, state at chunk boundaries, pending chunk recomputed |
 | attention (+ paged) | `attention.py` | fixed Q/KV tiles from position 0, masked tiles are exact no-ops |
+| DSA index scores | `dsa.py` | one dot per (query head, key) over the whole head dim; heads added in order |
+| sparse attention (+ paged) | `attention.py` | the attention kernel reading each token's selected positions as its key slots |
 | attn_res_mix | `attn_res.py` | per-token scores, candidates added in index order |
 | route, experts + combine | `moe.py` | argmax with lowest-index ties; fixed tiles per expert; combine in id order |
 | token_logprobs | `parity.kernels.logprobs` | the rollout engine's sampler arithmetic (torch `log_softmax` on fp32 logits / T, one row-invariant reduction per row; tests check it on CUDA) |
@@ -41,7 +43,7 @@ import torch
 from parity.kernels.kda import kda_for_gradients
 from parity.kernels.moe import experts_stacked
 from parity.kernels.registry import INVARIANT, Kernels
-from parity.kernels.triton import attention, attn_res, conv, kda, linear, moe, rowwise
+from parity.kernels.triton import attention, attn_res, conv, dsa, kda, linear, moe, rowwise
 from parity.kernels.triton.attention import attention_paged
 from parity.kernels.triton.autograd import trainable
 from parity.kernels.triton.kda import KDAChunkState
@@ -60,6 +62,9 @@ _TRITON_OPS = dict(
     kda=kda.kda,
     attention=attention.attention,
     attention_paged=attention_paged,
+    index_scores=dsa.index_scores,
+    sparse_attention=attention.sparse_attention,
+    sparse_attention_paged=attention.sparse_attention_paged,
     attn_res_mix=attn_res.attn_res_mix,
     route=moe.route,
 )

@@ -29,12 +29,21 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _key_rows(table_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, PAGED: tl.constexpr):
-    """Element offsets of keys `ks` of row b in k and v: through the block table (PAGED) or contiguous."""
+def _key_rows(table_ptr, sel_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, ssb, ROW_TOKENS,
+              PAGED: tl.constexpr, SPARSE: tl.constexpr):
+    """Element offsets of keys `ks` of query row b in k and v. Dense: key slot = position, cache row b. SPARSE: query
+    row b is one token, key slot ks its ks-th selected position (`sel_ptr`, row stride ssb), read from cache row
+    b // ROW_TOKENS. Positions are read through the block table (PAGED) or contiguously."""
+    if SPARSE:
+        at = tl.load(sel_ptr + b * ssb + ks, mask=key_ok, other=0)  # int32 positions
+        row = b // ROW_TOKENS
+    else:
+        at = ks
+        row = b
     if PAGED:
-        blk = tl.load(table_ptr + b * stb + ks // PAGE, mask=key_ok, other=0).to(tl.int64)
-        return blk * skb + (ks % PAGE) * skt, blk * svb + (ks % PAGE) * svt
-    return b * skb + ks.to(tl.int64) * skt, b * svb + ks.to(tl.int64) * svt
+        blk = tl.load(table_ptr + row * stb + at // PAGE, mask=key_ok, other=0).to(tl.int64)
+        return blk * skb + (at % PAGE) * skt, blk * svb + (at % PAGE) * svt
+    return row * skb + at.to(tl.int64) * skt, row * svb + at.to(tl.int64) * svt
 
 
 @triton.jit
@@ -65,7 +74,7 @@ def _softmax_step(s, m, l, ks, key_ok, pos, qk_scale):
 @triton.jit(do_not_specialize=["Tq"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq, D, DV, qk_scale,
                  sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb, stb, PAGE,
-                 PAGED: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr, BD2: tl.constexpr,
+                 sel_ptr, ssb, ROW_TOKENS, PAGED: tl.constexpr, SPARSE: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr, BD2: tl.constexpr,
                  BDV: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """qk_scale = scale * log2(e) (scores in base 2). The head dim is covered by two blocks, BD then BD2
     (e.g. 192 = 128 + 64, no padding to 256; BD2 = 0: one block). PAGED: k/v are [blocks, PAGE, H, D]
@@ -88,7 +97,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
     for start in range(0, hi, BKV):
         ks = start + tl.arange(0, BKV)
         key_ok = ks < kv_len
-        krow, vrow = _key_rows(table_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, PAGED)
+        krow, vrow = _key_rows(table_ptr, sel_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, ssb,
+                                ROW_TOKENS, PAGED, SPARSE)
         kt = tl.load(k_ptr + krow[None, :] + h * skh + d[:, None], mask=key_ok[None, :] & (d[:, None] < D),
                      other=0.0).to(q.dtype)
         vt = tl.load(v_ptr + vrow[:, None] + h * svh + dv[None, :], mask=key_ok[:, None] & (dv[None, :] < DV),
@@ -109,7 +119,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq,
 @triton.jit(do_not_specialize=["Tq"])
 def _attn_wide_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H, Tq, D, DV, qk_scale,
                       sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb, stb, PAGE,
-                      PAGED: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, BDC: tl.constexpr,
+                      sel_ptr, ssb, ROW_TOKENS, PAGED: tl.constexpr, SPARSE: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, BDC: tl.constexpr,
                       BDV: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """`_attn_kernel` for heads too wide to hold in one tile (K3's absorbed MLA: D = 512 + 64, Dv = 512): the
     scores are summed over D in chunks of BDC in order, and each program owns BDV of the Dv output columns (grid
@@ -128,7 +138,8 @@ def _attn_wide_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, o_ptr, table_ptr, H
     for start in range(0, hi, BKV):
         ks = start + tl.arange(0, BKV)
         key_ok = ks < kv_len
-        krow, vrow = _key_rows(table_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, PAGED)
+        krow, vrow = _key_rows(table_ptr, sel_ptr, b, ks, key_ok, stb, skb, skt, svb, svt, PAGE, ssb,
+                                ROW_TOKENS, PAGED, SPARSE)
         s = tl.zeros((BQ, BKV), dtype=tl.float32)
         for d0 in range(0, D, BDC):
             qc = tl.load(q_row + d0 + dc[None, :], mask=qmask[:, None] & (d0 + dc[None, :] < D), other=0.0)
@@ -151,7 +162,8 @@ def _split_dim(d: int) -> tuple[int, int]:
     return first, (pow2(d - first) if d > first else 0)
 
 
-def _launch(q, k, v, q_pos, kv_len, scale, table=None, page=1) -> torch.Tensor:
+def _launch(q, k, v, q_pos, kv_len, scale, table=None, page=1, selected=None, row_tokens=1) -> torch.Tensor:
+    """`selected` [B, K] int: the sparse mode (`_key_rows`), query row b reading cache row b // row_tokens."""
     b, tq, h, d = q.shape
     dv = v.shape[-1]
     o = torch.empty(b, tq, h, dv, dtype=q.dtype, device=q.device)
@@ -161,13 +173,15 @@ def _launch(q, k, v, q_pos, kv_len, scale, table=None, page=1) -> torch.Tensor:
     lens = kv_len.to(torch.int32).contiguous()
     paged = table is not None
     tbl = table.to(torch.int32).contiguous() if paged else lens
+    sparse = selected is not None
+    sel = selected.to(torch.int32).contiguous() if sparse else lens
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-               pos.stride(0), tbl.stride(0) if paged else 0, page)
+               pos.stride(0), tbl.stride(0) if paged else 0, page, sel, sel.stride(0) if sparse else 0, row_tokens)
     if d > WIDE or dv > WIDE:
         grid = (triton.cdiv(tq, WIDE_Q), b * h, triton.cdiv(dv, WIDE_DV))
         _attn_wide_kernel[grid](q, k, v, pos, lens, o, tbl, h, tq, d, dv, float(scale) * LOG2E, *strides,
-                                PAGED=paged, BQ=WIDE_Q, BKV=WIDE_KV, BDC=WIDE_DC, BDV=WIDE_DV,
+                                PAGED=paged, SPARSE=sparse, BQ=WIDE_Q, BKV=WIDE_KV, BDC=WIDE_DC, BDV=WIDE_DV,
                                 PREC=dot_precision(q.dtype), INTERP=INTERPRET, num_warps=4, num_stages=2)
         return o
     bd, bd2 = _split_dim(d)
@@ -175,7 +189,7 @@ def _launch(q, k, v, q_pos, kv_len, scale, table=None, page=1) -> torch.Tensor:
     warps = 8
     grid = (triton.cdiv(tq, BLOCK_Q), b * h)
     _attn_kernel[grid](q, k, v, pos, lens, o, tbl, h, tq, d, dv, float(scale) * LOG2E, *strides,
-                       PAGED=paged, BQ=BLOCK_Q, BKV=BLOCK_KV, BD=bd, BD2=bd2, BDV=bdv, PREC=dot_precision(q.dtype),
+                       PAGED=paged, SPARSE=sparse, BQ=BLOCK_Q, BKV=BLOCK_KV, BD=bd, BD2=bd2, BDV=bdv, PREC=dot_precision(q.dtype),
                        INTERP=INTERPRET, num_warps=warps, num_stages=2)
     return o
 
@@ -205,3 +219,32 @@ def attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     [B, max_blocks] int. Same bits as the contiguous kernel on the gathered keys (no copy is made)."""
     _check(q, k_cache, v_cache)
     return _launch(q, k_cache, v_cache, q_pos, kv_len, scale, block_table, k_cache.shape[1])
+
+
+def _sparse(q: torch.Tensor, keys: torch.Tensor, selected: torch.Tensor, count: torch.Tensor, values: int,
+            scale: float, table: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, T, H, L] over each token's selected keys (one key head; values: their first `values` channels): token
+    (b, t) is one query row block of the attention kernel, its H heads the rows, its `count` selected positions the
+    key slots, in order -> [B, T, H, values]. The key tiles and arithmetic are the dense kernel's."""
+    b, t, h, l = q.shape
+    _check(q, keys, keys[..., :values])
+    n = count.reshape(b * t).clamp(min=1)
+    pos = (n - 1).view(-1, 1).expand(b * t, h)
+    page = keys.shape[1] if table is not None else 1
+    o = _launch(q.reshape(b * t, h, 1, l), keys, keys[..., :values], pos, n, scale, table, page,
+                selected.reshape(b * t, -1), t)
+    return o.view(b, t, h, values)
+
+
+def sparse_attention(q: torch.Tensor, latents: torch.Tensor, selected: torch.Tensor, count: torch.Tensor,
+                     values: int, scale: float) -> torch.Tensor:
+    """`parity.kernels.dsa.gathered`'s op without the gather: latents [B, S, 1, L] are read at the selected positions
+    [B, T, K] in place; with every visible position selected, the bits of `attention` (the same key tiles)."""
+    return _sparse(q, latents, selected, count, values, scale)
+
+
+def sparse_attention_paged(q: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor, selected: torch.Tensor,
+                           count: torch.Tensor, values: int, scale: float) -> torch.Tensor:
+    """`sparse_attention` over latent pages [num_blocks, page, 1, L] (q's dtype or FP8 e4m3) through a block table
+    [B, max_blocks]: the same bits as on the gathered latents."""
+    return _sparse(q, pages, selected, count, values, scale, block_table)
