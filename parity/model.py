@@ -418,7 +418,7 @@ class K3Forward:
         nh, d = c.index_n_heads, c.index_head_dim
         x, qr = x.detach(), qr.detach()
         q = fp8.round_trip_scaled(self._lin(qr, f"{p}.indexer.wq_b.weight").view(b, t, nh, d))
-        w = wide(self._lin(x, f"{p}.indexer.weights_proj.weight")) * torch.tensor((d * nh) ** -0.5)  # [B, T, nh]
+        w = wide(self._lin(x, f"{p}.indexer.weights_proj.weight")) * (d * nh) ** -0.5  # [B, T, nh]
         keys = cache.index
         assert keys is not None
         return self.k.index_scores(q.detach(), w.detach(), keys.detach().to(q.dtype), pos, cache.length)
