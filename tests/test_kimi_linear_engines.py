@@ -3,14 +3,13 @@ prefix, decoder layers under `model.`) through both engines, bitwise like K3 (co
 
 Trainer: official tensors load into the Megatron model and export back bit for bit; its log-probs equal the
 rollout schedule of the shared forward (torch.equal); TP = 2 with EP = 2 (torchrun, the worker of
-tests/test_trainer_parallel.py). Engines: `zerokl parity check --batch-mix both` exits 0 with every token
-bitwise equal; three `zerokl ppo` steps (configs/ppo-kimi-linear-tiny.yaml) keep KL exactly 0, and after the
-weight syncs the engine's log-probs still equal the trainer's (torch.equal). One vLLM engine at a time.
+tests/test_trainer_parallel.py). Engines: three `zerokl ppo` steps (configs/ppo-kimi-linear-tiny.yaml) keep KL exactly
+0 with every token bitwise equal, and after the weight syncs the engine's log-probs, batched and for a prompt alone,
+still equal the trainer's (torch.equal). (`zerokl parity check`'s front door: tests/test_parity_cli.py.)
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,13 +20,13 @@ import torch
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs
 from parity.weights import text_specs
+from rollout.engine import sample_seed
 from rollout.plugin import TEXT_MODEL_TYPE, hf_overrides
 from trainer.megatron.io import export_official, load_official
 from trainer.logprobs import PaddedBatch, token_logprobs
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.megatron.sharding import Split, shard, split_roles
 from trainer.megatron.train import build_model
-from zerokl import cli
 from parity.io.checkpoint import CheckpointError, load_checkpoint
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun
@@ -104,16 +103,6 @@ def test_trainer_tp2_ep2(ckpt: Path, tmp_path: Path) -> None:
                     ["--tp", "2", "--ep", "2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")], CHECKS)
 
 
-def test_parity_check_command_is_bitwise(ckpt: Path, tmp_path: Path) -> None:
-    report = tmp_path / "check.json"
-    rc = cli.main(["parity", "check", "--model", str(ckpt), "--num-prompts", "4", "--max-tokens", "8",
-                   "--batch-mix", "both", "--json", str(report)])
-    data = json.loads(report.read_text())
-    assert rc == 0, data
-    assert data["tokens"] == data["bitwise_equal"] == 2 * 4 * 8
-    assert data["max_abs_diff"] == 0.0 and data["kl_k1"] == 0.0 and data["ratio_min"] == data["ratio_max"] == 1.0
-
-
 def test_ppo_steps_keep_kl_exactly_zero(tmp_path: Path) -> None:
     cfg = replace(load_ppo_config(REPO / "configs" / "ppo-kimi-linear-tiny.yaml"), steps=3, wandb="disabled")
     run = PPORun(cfg, tmp_path / "ppo", log=lambda _: None)
@@ -131,6 +120,10 @@ def test_ppo_steps_keep_kl_exactly_zero(tmp_path: Path) -> None:
         assert trained.keys() == init.keys() and any(not torch.equal(trained[n], t.float()) for n, t in init.items())
         prompts = [run.tokenizer.encode(p).ids for p in ("What is 3 + 4?", "What is 1 + 8? Answer:")]
         samples = run.engine.generate(prompts, n=2, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
+        alone = run.engine.generate(prompts[1:], n=2, temperature=1.0, max_tokens=8, seed=[sample_seed(11, 1)],
+                                    ignore_eos=True)
+        for a, b in zip(alone, samples[2:]):  # the second prompt alone: its batch's tokens and bits
+            assert a.completion_ids == b.completion_ids and torch.equal(a.logprobs, b.logprobs)
         with torch.no_grad():
             lp = token_logprobs(run.trainer.module, PaddedBatch.from_sequences(
                 [s.prompt_ids + s.completion_ids for s in samples]), 1.0)
