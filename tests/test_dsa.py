@@ -17,6 +17,7 @@ import torch
 from parity.config import ConfigError, load_model_config, parse_model_config
 from parity.io.checkpoint import init_checkpoint, load_checkpoint
 from parity.kernels import INVARIANT
+from parity.kernels.dsa import top_positions
 from parity.model import K3Forward, K3Weights, MLACache, decode_logprobs, new_cache, score_sequences
 from parity.reference.dsa import index_keys, index_scores, select
 from parity.weights import is_indexer
@@ -117,6 +118,19 @@ def test_selection_is_the_float64_references(tmp_path: Path) -> None:
         assert got == keep, (row, got, keep)
         checked += 1
     assert checked >= 40 and any(len(k) == TOPK and k != list(range(TOPK)) for k in ref)
+
+
+def test_top_positions_break_ties_by_the_lowest_position() -> None:
+    """The top-k every kernel set shares (`parity.kernels.dsa.top_positions`, a top-k over unique integer keys) picks
+    the float64 reference's positions on scores full of ties: few distinct values, +0 and -0 (equal), subnormals."""
+    values = torch.tensor([-0.0, 0.0, 1.5, -1.5, 3.0, 1e-45, -1e-45, 2.0 ** -126])
+    t = 60
+    g = torch.Generator().manual_seed(5)
+    causal = torch.arange(t).view(1, -1) <= torch.arange(t).view(-1, 1)
+    scores = torch.where(causal, values[torch.randint(0, len(values), (t, t), generator=g)], float("-inf"))
+    selected, count = top_positions(scores.unsqueeze(0), TOPK)
+    for row, keep in enumerate(select(scores.double(), TOPK)):
+        assert selected[0, row, : int(count[0, row])].tolist() == keep, row
 
 
 def test_scores_are_vllms_deepseek_v32_indexer_logits(tmp_path: Path) -> None:

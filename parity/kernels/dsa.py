@@ -1,6 +1,7 @@
 """The DSA indexer's ops (K3.1 Pro's lightning indexer and sparse MLA): index scores, the top-k positions, and
-attention over each token's selected latents. The top-k (`top_positions`) is one function for every kernel set: a
-stable sort, exact, so any device's stable sort picks the same positions from the same scores.
+attention over each token's selected latents. The top-k (`top_positions`) is one function for every kernel set: exact
+(no arithmetic), a top-k over keys made unique by the tie rule, so any device picks the same positions from the same
+scores.
 
 Invariant form: a score is `linear_invariant`'s dot of one FP8-rounded index query head with one index key (one
 element of the invariant GEMM: its bits depend on the two vectors alone), the heads' terms w_j * ReLU(dot_j) added in
@@ -52,13 +53,24 @@ def index_scores_fast(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_po
     return _visible(torch.einsum("btj,btjs->bts", w, dots), q_pos, kv_len)
 
 
+def ranking_keys(scores: torch.Tensor) -> torch.Tensor:
+    """scores [..., S] fp32 -> int64 keys, unique along the last dim, in the order "higher score, then lower
+    position": the score's bits mapped to an integer of the same order (-0 counted as +0, as float comparison does)
+    in the high 32 bits, S - 1 - position in the low 32."""
+    s = scores.shape[-1]
+    bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # -0 + 0 = +0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+    return ordered * (1 << 32) + (s - 1 - torch.arange(s, device=scores.device))
+
+
 def top_positions(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [B, T, S] (-inf: not a candidate) -> the positions each query attends: (selected [B, T, K] ascending,
     padded with 0; count [B, T]), K = min(topk, S). When a query has at most `topk` candidates (its positions 0..t)
-    all are kept (dense attention), else the `topk` highest scores, ties to the lowest position (a stable sort)."""
+    all are kept (dense attention), else the `topk` highest scores, ties to the lowest position: the `topk` largest
+    `ranking_keys`, which are unique, so any correct top-k (a radix select on the GPU) picks the same set."""
     b, t, s = scores.shape
     k_sel = min(topk, s)
-    top = torch.sort(torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k_sel], dim=-1).values
+    top = torch.sort(torch.topk(ranking_keys(scores), k_sel, dim=-1, sorted=False).indices, dim=-1).values
     candidates = (scores > float("-inf")).sum(-1)  # position t + 1 of each query (its keys are 0..t)
     ranks = torch.arange(k_sel, device=scores.device).view(1, 1, k_sel)
     dense = (candidates <= k_sel).unsqueeze(-1)  # every candidate kept: positions 0..t
