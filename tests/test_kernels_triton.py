@@ -448,24 +448,24 @@ def _fp8_rounded(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_index_scores_any_schedule_and_close_to_cpu(p: Platform, dtype: torch.dtype) -> None:
-    """A query's scores are the same bits scored with its whole batch (3 rows, 70 queries, across the 64-query and
-    64-key tiles), alone as decode (one query, its own cache length) and with fewer queries; -inf exactly where a
-    key is not visible; close to the CPU invariant op."""
-    b, t, nh, d = 3, 70, 4, 32
-    q, keys = _fp8_rounded(b, t, nh, d, seed=1, dtype=dtype), _fp8_rounded(b, t, d, seed=2, dtype=dtype)
+    """A query's scores are the same bits scored with its whole batch (3 rows of 24 queries at positions 116-139 over
+    up to 140 keys, across the 128-key tile), alone as decode (one query, its own cache length) and with fewer
+    queries; -inf exactly where a key is not visible; close to the CPU invariant op."""
+    b, t, s, nh, d = 3, 24, 140, 4, 32
+    q, keys = _fp8_rounded(b, t, nh, d, seed=1, dtype=dtype), _fp8_rounded(b, s, d, seed=2, dtype=dtype)
     w = torch.randn(b, t, nh, generator=torch.Generator().manual_seed(3))
-    pos = torch.arange(t).expand(b, t)
-    lens = torch.tensor([t, 65, 30])
+    pos = torch.arange(s - t, s).expand(b, t)
+    lens = torch.tensor([s, 130, 125])
     full = p.k.index_scores(p.t(q), p.t(w), p.t(keys), p.t(pos), p.t(lens)).cpu()
-    visible = (torch.arange(t).view(1, 1, t) <= pos.unsqueeze(-1)) & (torch.arange(t).view(1, 1, t) < lens.view(b, 1, 1))
-    assert torch.equal(torch.isinf(full), ~visible)
-    for row, i in ((0, 69), (0, 64), (1, 63), (2, 5)):
-        n = int(min(i + 1, lens[row]))
+    key_pos = torch.arange(s).view(1, 1, s)
+    assert torch.equal(torch.isinf(full), ~((key_pos <= pos.unsqueeze(-1)) & (key_pos < lens.view(b, 1, 1))))
+    for row, i in ((0, 23), (0, 12), (1, 11), (2, 0)):
+        n = int(min(int(pos[row, i]) + 1, lens[row]))
         one = p.k.index_scores(p.t(q[row : row + 1, i : i + 1]), p.t(w[row : row + 1, i : i + 1]),
                                p.t(keys[row : row + 1, :n]), p.t(pos[row : row + 1, i : i + 1]), p.t(torch.tensor([n])))
         assert_bits(one[0, 0].cpu(), full[row, i, :n])
-    few = p.k.index_scores(p.t(q[1:2, 60:66]), p.t(w[1:2, 60:66]), p.t(keys[1:2]), p.t(pos[1:2, 60:66]), p.t(lens[1:2]))
-    assert_bits(few[0].cpu(), full[1, 60:66])
+    few = p.k.index_scores(p.t(q[1:2, 10:14]), p.t(w[1:2, 10:14]), p.t(keys[1:2]), p.t(pos[1:2, 10:14]), p.t(lens[1:2]))
+    assert_bits(few[0].cpu(), full[1, 10:14])
     ref = INVARIANT.index_scores(q, w, keys, pos, lens)
     finite = torch.isfinite(ref)
     close(full[finite], ref[finite], 1e-5)

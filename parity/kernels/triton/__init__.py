@@ -12,7 +12,7 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 | short_conv | `conv.py` | W products added in a fixed order, state read by position |
 | kda | `kda.py` | chunk grid anchored at 0, state at chunk boundaries, pending chunk recomputed |
 | attention (+ paged) | `attention.py` | fixed Q/KV tiles from position 0, masked tiles are exact no-ops |
-| DSA index scores | `dsa.py` | one dot per (query head, key) over the whole head dim; heads added in order |
+| DSA index scores | `dsa.py` | a token's index heads the rows of one dot over the whole head dim; heads added by one fixed-size reduction |
 | sparse attention (+ paged) | `attention.py` | the attention kernel reading each token's selected positions as its key slots |
 | attn_res_mix | `attn_res.py` | per-token scores, candidates added in index order |
 | route, experts + combine | `moe.py` | argmax with lowest-index ties; fixed tiles per expert; combine in id order |
