@@ -20,15 +20,13 @@ Determinism: sample j of a prompt with seed s is drawn with vLLM's per-request g
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
 import random
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +34,8 @@ import torch
 
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
-from parity.kernels.logprobs import Sampling
 from rollout import records
+from rollout.sampling import RolloutError, Sample, check_sampling, prompt_seeds, root_message, sample_seed
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 from parity.sync.bundle import Message, SyncError, Transport, WeightBundle, verify
 from parity.sync.transports import SharedMemory
@@ -48,35 +46,9 @@ if TYPE_CHECKING:
 # Engine arguments the engine sets itself: parity depends on them.
 _FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "enforce_eager", "weight_transfer_config",
                "distributed_executor_backend")
-_GREEDY_EPS = 1e-5  # vLLM's sampler treats temperature below this as greedy (`_SAMPLING_EPS`)
 WORKER_TRANSPORTS = ("shared_memory", "disk")  # what reaches vLLM's worker processes (`Memory` stays in this one)
 _MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
-
-
-class RolloutError(ValueError):
-    """A request the rollout engine refuses; the message says why and what to do instead."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: torch.Tensor  # [len(completion_ids)] fp32
-    policy_version: int
-    cached_tokens: int  # prompt tokens served from vLLM's prefix cache
-    # with `generate(record=True)`: the raw log-probs of the completion tokens (log_softmax of the model's logits, no
-    # temperature or truncation: vLLM's `raw_logprobs`), [len(completion_ids)] fp32; and, for a model with MoE layers,
-    # the experts chosen at each input position (`parity.routing`), [len(prompt_ids) + len(completion_ids) - 1,
-    # MoE layers, top_k]
-    raw_logprobs: torch.Tensor | None = None
-    routing: torch.Tensor | None = None
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The vLLM request seed of sample `index` of a prompt whose seed is `seed` (63-bit, well mixed)."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 class RolloutEngine:
@@ -132,9 +104,9 @@ class RolloutEngine:
         """
         from vllm import SamplingParams
 
-        seeds = self._prompt_seeds(prompts, seed)
+        seeds = prompt_seeds(prompts, seed)
         loras = self._prompt_loras(prompts, lora)
-        self._check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
+        check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
         truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}
         requests, params, adapters = [], [], []
         for prompt, s, adapter in zip(prompts, seeds, loras):
@@ -168,7 +140,7 @@ class RolloutEngine:
         try:
             self.llm.llm_engine.add_lora(request)
         except Exception as e:  # the worker's AdapterError arrives wrapped by vLLM's RPC
-            raise RolloutError(f"adapter {name} ({path}) was not loaded: {_root_message(e)}") from None
+            raise RolloutError(f"adapter {name} ({path}) was not loaded: {root_message(e)}") from None
         return request
 
     def remove_adapter(self, request: LoRARequest) -> None:
@@ -264,30 +236,6 @@ class RolloutEngine:
 
     # --- helpers --------------------------------------------------------------------------------
     @staticmethod
-    def _check_sampling(n: int, temperature: float, max_tokens: int, top_p: float | None, top_k: int | None,
-                        min_p: float | None) -> None:
-        if n < 1 or max_tokens < 1:
-            raise RolloutError(f"n and max_tokens must be >= 1, got n={n}, max_tokens={max_tokens}")
-        if temperature < _GREEDY_EPS:
-            raise RolloutError(
-                f"temperature must be >= {_GREEDY_EPS}: vLLM samples greedily below it and then reports "
-                f"log-probs at temperature 1, which is not the distribution used (got {temperature})")
-        try:
-            Sampling(temperature, top_k, top_p, min_p)
-        except ValueError as e:
-            raise RolloutError(str(e)) from None
-
-    @staticmethod
-    def _prompt_seeds(prompts: Sequence[Sequence[int] | str], seed: int | Sequence[int]) -> list[int]:
-        if not prompts:
-            raise RolloutError("no prompts given")
-        if isinstance(seed, int):
-            return [sample_seed(seed, i) for i in range(len(prompts))]
-        if len(seed) != len(prompts):
-            raise RolloutError(f"got {len(seed)} seeds for {len(prompts)} prompts; give one per prompt or one int")
-        return list(seed)
-
-    @staticmethod
     def _prompt_loras(prompts: Sequence[Sequence[int] | str],
                       lora: LoRARequest | Sequence[LoRARequest | None] | None) -> list[LoRARequest | None]:
         if lora is None or not isinstance(lora, Sequence):
@@ -358,10 +306,3 @@ def _engine_core_in_process() -> Iterator[None]:
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.set_rng_state(states[2])
-
-
-def _root_message(error: BaseException) -> str:
-    """The worker's own message inside vLLM's RPC error ("... Worker failed with error '<msg>', please ...")."""
-    text = str(error)
-    found = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
-    return found.group(1) if found else text

@@ -9,7 +9,9 @@
 - every route of the server is classified (`ROUTES`): vLLM's routes that take an adapter only as the `model` of a
   request, resolved through vLLM's name table, pass; the two runtime LoRA routes pass the checks above; the
   SageMaker routes (`/adapters` loads from any path and unloads, `/invocations` selects an adapter by header) and
-  any route this table does not know (one a later vLLM adds) are refused with HTTP 404;
+  any route this table does not know (one a later vLLM adds) are refused with HTTP 404; the weight-sync routes pass
+  to `rollout.server_admin`'s checks (its middleware is outside this one: it sees every request first and refuses
+  vLLM's other development routes);
 - `GET /zerokl/v1/lora`: what a client needs to validate an adapter before sending it (the served
   checkpoint's config.json, `max_lora_rank`, `max_loras`, the allowed directory) and what the server holds
   (every adapter name -> the adapter it serves, its id and path);
@@ -33,6 +35,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from rollout import server_admin
 from lora.push import LOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE, UNLOAD_ROUTE, VERSION_SEP
 
 LORA_ROOT_ENV = "ZEROKL_LORA_ROOT"
@@ -119,17 +122,24 @@ PASS_ROUTES = (  # no adapter, or one named as the request's `model` (vLLM's nam
     "/detokenize", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses",
     "/v1/responses/{x}", "/v1/responses/{x}/cancel", "/v1/messages", "/v1/messages/count_tokens",
     "/generative_scoring", "/v1/systemone", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+    # the token-in/token-out routes (render a request to ids and back, abort a request by id)
+    "/v1/completions/render", "/v1/chat/completions/render", "/v1/messages/render", "/v1/completions/derender",
+    "/v1/chat/completions/derender", "/inference/v1/abort_requests",
 )
 CHECKED_ROUTES = (LOAD_ROUTE, UNLOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE)  # this middleware's checks
+SYNC_ROUTES = (*server_admin.SYNC_ROUTES, *server_admin.ZEROKL_ROUTES, server_admin.GENERATE_ROUTE)  # its checks
 REFUSED_ROUTES = (  # load from any path, unload or select an adapter past the checks, or change the engine
     "/adapters", "/adapters/{x}", "/invocations", "/scale_elastic_ep", "/is_scaling_elastic_ep",
 )
 
 
 def route_of(path: str) -> str | None:
-    """The table entry (`PASS_ROUTES`, `CHECKED_ROUTES`, `REFUSED_ROUTES`) that `path` is, or None."""
+    """The table entry (`PASS_ROUTES`, `SYNC_ROUTES`, `CHECKED_ROUTES`, `REFUSED_ROUTES`) that `path` is, or None; vLLM's
+    development routes but the sync ones are refused (by `rollout.server_admin`, before this middleware sees them)."""
+    if path in server_admin.dev_paths() and path not in SYNC_ROUTES:
+        return path
     parts = path.rstrip("/").split("/") if path != "/" else [""]
-    for route in (*PASS_ROUTES, *CHECKED_ROUTES, *REFUSED_ROUTES):
+    for route in (*PASS_ROUTES, *SYNC_ROUTES, *CHECKED_ROUTES, *REFUSED_ROUTES):
         pattern = route.split("/")
         if len(pattern) == len(parts) and all(p == "{x}" or p == q for p, q in zip(pattern, parts)):
             return route
@@ -148,11 +158,11 @@ async def lora_admin(request: Request, call_next: Callable[[Request], Awaitable[
     """The middleware (`--middleware rollout.lora_server.lora_admin`)."""
     path = request.url.path
     route = route_of(path)
-    if route is None or route in REFUSED_ROUTES:
+    if route is None or route in REFUSED_ROUTES or route in server_admin.dev_paths() and route not in SYNC_ROUTES:
         why = "it can load, unload or select an adapter past --lora-root" if route else "zerokl serve does not know it"
         return _error(f"no route {request.method} {path} on this server ({why}); adapters load through "
                       f"{LOAD_ROUTE} from inside the adapter directory", HTTPStatus.NOT_FOUND)
-    if route in PASS_ROUTES:
+    if route in PASS_ROUTES or route in SYNC_ROUTES:
         return await call_next(request)
     if route in (LOAD_ROUTE, UNLOAD_ROUTE) and request.method == "POST":
         body = await _json_body(request)

@@ -18,6 +18,7 @@ same bits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +31,9 @@ class WorkerRecords:
     """Expert ids [L, top_k] by request id and position, for the positions this worker computed; raw log-probs by
     request id and the position of the token sampled into it."""
 
-    def __init__(self, runner: Any, moe_layers: int, top_k: int):
-        self.runner = runner  # vLLM's model runner: its input batch names the step's requests, in token order
+    def __init__(self, runner: Any, moe_layers: int, top_k: int, keep: Callable[[str], bool] | None = None):
+        self.runner = runner
+        self.keep = keep  # which request ids to record (None: all)  # vLLM's model runner: its input batch names the step's requests, in token order
         self.shape = (moe_layers, top_k)
         self.routing: dict[str, dict[int, torch.Tensor]] = {}
         self.raw: dict[str, dict[int, float]] = {}
@@ -45,6 +47,8 @@ class WorkerRecords:
         """routing: [N, L, top_k] for the step's flat tokens (rows past `layout.num_tokens` are padding)."""
         starts = layout.query_start.tolist()
         for r, request in enumerate(self._requests(len(starts) - 1)):
+            if self.keep is not None and not self.keep(request):
+                continue
             rows = self.routing.setdefault(request, {})
             rows.update(zip(positions[starts[r] : starts[r + 1]].tolist(), routing[starts[r] : starts[r + 1]]))
 
@@ -59,8 +63,18 @@ class WorkerRecords:
         assert self.layout is not None and self._raw_step is not None
         raw = self._raw_step.gather(1, sampled.long().view(-1, 1)).view(-1).tolist()
         for r, (request, pos) in enumerate(zip(self._requests(len(raw)), self.layout.seq_lens.tolist())):
+            if self.keep is not None and not self.keep(request):
+                continue
             self.raw.setdefault(request, {})[pos] = raw[r]
         self._raw_step = None
+
+    def pop(self, which: Callable[[str], bool]) -> dict[str, dict[str, torch.Tensor]]:
+        """`tensors()` of the requests `which` selects, which are then forgotten."""
+        chosen = [r for r in {*self.raw, *self.routing} if which(r)]
+        part = WorkerRecords(self.runner, *self.shape)
+        part.raw = {r: self.raw.pop(r) for r in chosen if r in self.raw}
+        part.routing = {r: self.routing.pop(r) for r in chosen if r in self.routing}
+        return part.tensors()
 
     def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per request, by position: "raw" [max position + 1] fp32, the raw log-prob of the token sampled into each
@@ -81,12 +95,13 @@ def _by_position(rows: dict[int, Any], shape: tuple[int, ...], fill: float, dtyp
     return out
 
 
-def start(worker: Any) -> None:
-    """In the worker: record every step from now on (records already started are dropped)."""
+def start(worker: Any, keep: Callable[[str], bool] | None = None) -> None:
+    """In the worker: record every step from now on, of the requests `keep` selects (None: all); records already
+    started are dropped."""
     runner = worker.model_runner
     model = runner.get_model()
     stop(model)
-    records = WorkerRecords(runner, model.cfg.num_moe_layers, model.cfg.num_experts_per_token or 0)
+    records = WorkerRecords(runner, model.cfg.num_moe_layers, model.cfg.num_experts_per_token or 0, keep)
     hooks = (runner.sampler.register_forward_pre_hook(lambda _m, _a, kw: records.before_sampling(kw["logits"]),
                                                      with_kwargs=True),
              runner.sampler.register_forward_hook(lambda _m, _a, out: records.after_sampling(out.sampled_token_ids)))

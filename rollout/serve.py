@@ -7,6 +7,11 @@ fails with PackageNotFoundError) with the flags parity needs: fp32, the zerokl m
 mode and the `zerokl` weight-transfer backend. Completions with `logprobs=0` and a `seed` return the
 same tokens and log-probs as `rollout.engine.RolloutEngine` for the same seed.
 
+Weight sync into the live server: vLLM's RL routes and its token-in/token-out route (`/inference/v1/generate`, whose
+outputs carry the weight version of their tokens), narrowed and extended by `rollout.server_admin` (`GET
+/zerokl/weights`, versioned requests) with the worker methods of `rollout.server_worker`; `rollout.remote` is the
+client a trainer drives them with.
+
 With `--lora-root DIR` it also serves LoRA adapters (`--max-loras`, `--max-lora-rank`): vLLM's runtime
 loading endpoints are on, restricted to adapters inside DIR, with the `zerokl lora push / list` routes
 (`rollout.lora_server`); adapter requests keep the same bits as in `RolloutEngine` (`rollout.lora_table`).
@@ -26,6 +31,10 @@ from parity.config import load_model_config
 from parity.kernels import KERNEL_SETS, get_kernels
 from rollout.lora_server import LORA_ROOT_ENV
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
+
+SERVER_WORKER = "rollout.server_worker.ServerWorker"
+SYNC_MIDDLEWARE = "rollout.server_admin.sync_admin"
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
 @dataclass(frozen=True)
@@ -57,11 +66,21 @@ def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "
         "--logprobs-mode", "processed_logprobs",
         "--enforce-eager",
         "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
+        "--enable-scale-out",
+        "--enable-prompt-tokens-details",  # usage reports the prompt tokens a prefix-cache hit served
+        "--worker-extension-cls", SERVER_WORKER,
         "--host", host,
         "--port", str(port),
         *(lora.argv() if lora else []),
+        "--middleware", SYNC_MIDDLEWARE,  # after lora's: the outermost, it sees every request first
         *vllm_args,
     ]
+
+
+def serve_env(lora: LoraServing | None = None) -> dict[str, str]:
+    """What the server's environment adds: vLLM's development mode (it mounts the RL routes, which
+    `rollout.server_admin` narrows to the weight-sync ones) and the LoRA settings."""
+    return {DEV_MODE_ENV: "1", **(lora.env() if lora else {})}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -103,4 +122,4 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_model_config(args.checkpoint)
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,
                       lora)
-    os.execve(argv[0], argv, {**os.environ, **(lora.env() if lora else {})})
+    os.execve(argv[0], argv, {**os.environ, **serve_env(lora)})

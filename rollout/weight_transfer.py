@@ -3,8 +3,12 @@
 vLLM's built-in backends (NCCL, CUDA IPC) need GPUs. This one takes any `parity.sync` transport through vLLM's own
 weight-update API: `start_weight_update`, `update_weights({"transport": NAME, "message": MESSAGE})`,
 `finish_weight_update`. The worker rebuilds the receiving side of the transport the trainer sent with
-(`parity.sync.transports.by_name`): `memory` (the tensors travel inside vLLM's RPC message) or `disk` (the message
-names a directory the trainer wrote once).
+(`parity.sync.transports.by_name`): `memory` (the tensors travel inside vLLM's RPC message), `shared_memory` (a
+segment on this host), `disk` (the message names a directory the trainer wrote once), or `torch_distributed`: a
+broadcast from the trainer over the group that `init_weight_transfer_engine` set up (`init_info`: `master_address`,
+`master_port`, `rank_offset`, `world_size`, `backend` gloo or nccl; each worker joins as `rank_offset` + its rank
+across vLLM's data-parallel replicas, the trainer is rank 0), which is how a trainer reaches servers it does not own
+(`rollout.remote`).
 
 All-or-nothing: `update_weights` verifies the whole bundle (every text weight present with the model's shape and
 dtype, every checksum matching the bytes that arrived, finite values, a version newer than the worker's) and
@@ -29,12 +33,21 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from parity.sync.bundle import Message, SyncError, WeightBundle, verify
-from parity.sync.transports import by_name
+from parity.sync.group import StandaloneGroup
+from parity.sync.transports import TorchDistributed, by_name
 
 
 @dataclass
 class SyncInitInfo(WeightTransferInitInfo):
-    """No connection to set up: each update's message says how its bundle travels."""
+    """The trainer's group for `torch_distributed` updates; empty for the other transports (each update's message
+    says how its bundle travels)."""
+
+    master_address: str | None = None
+    master_port: int | None = None
+    rank_offset: int = 1
+    world_size: int | None = None
+    backend: str = "gloo"
+    timeout_s: float = 120.0
 
 
 @dataclass
@@ -55,18 +68,34 @@ class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateIn
         super().__init__(config, vllm_config, device, model)
         self.version = 0  # of the weights in the model; the checkpoint's are version 0
         self._staged: WeightBundle | None = None
+        self._group: StandaloneGroup | None = None
 
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
 
     def init_transfer_engine(self, init_info: SyncInitInfo) -> None:
+        """Join the trainer's group (replacing any earlier one); blocks until every rank has joined."""
         self._staged = None
+        self._close_group()
+        if init_info.master_address is None:
+            return
+        if init_info.master_port is None or init_info.world_size is None:
+            raise SyncError("init_info for a torch_distributed group needs master_address, master_port and world_size")
+        par = self.parallel_config
+        rank = init_info.rank_offset + par.data_parallel_index * par.world_size + par.rank
+        self._group = StandaloneGroup(init_info.master_address, int(init_info.master_port), rank,
+                                      int(init_info.world_size), init_info.backend, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         self._staged = None
 
     def receive_weights(self, update_info: SyncUpdateInfo) -> None:
-        bundle = by_name(update_info.transport).receive(update_info.message)
+        if update_info.transport == TorchDistributed.name:
+            if self._group is None:
+                raise SyncError("a torch_distributed update before init_weight_transfer_engine set up its group")
+            bundle = TorchDistributed(src=0, group=self._group).receive()
+        else:
+            bundle = by_name(update_info.transport).receive(update_info.message)
         if bundle.kind != "full":
             raise SyncError(f"zerokl's rollout model takes full weight bundles, got kind {bundle.kind!r}")
         expected = {name: (tuple(p.shape), p.dtype) for name, p in self._params().items()}
@@ -87,5 +116,15 @@ class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateIn
                 params[name].copy_(t)
         self.version = bundle.version
 
+    def abort_weight_update(self) -> None:
+        """Drop a staged update (another server of the same sync rejected its copy): the weights stay as they are."""
+        self._staged = None
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
     def shutdown(self) -> None:
         self._staged = None
+        self._close_group()

@@ -107,12 +107,13 @@ def running_server(argv: Sequence[str], port: int, log: Path, start_timeout: flo
             proc.wait()
 
 
-def ppo_config_file(out: Path, base: str, checkpoint: Path, steps: int, checkpoint_every: int = 2) -> Path:
+def ppo_config_file(out: Path, base: str, checkpoint: Path, steps: int, checkpoint_every: int = 2,
+                    **keys: object) -> Path:
     """The PPO config `base` (a path under the repo) run on `checkpoint` for `steps` steps, a checkpoint every
-    `checkpoint_every`, no wandb, written to `out/ppo.yaml`."""
+    `checkpoint_every`, no wandb, `keys` (keys the file has) set, written to `out/ppo.yaml`."""
     text = (Path(__file__).resolve().parents[1] / base).read_text()
     for key, value in (("model", checkpoint), ("steps", steps), ("checkpoint_every", checkpoint_every),
-                       ("wandb", "disabled")):
+                       ("wandb", "disabled"), *keys.items()):
         text = re.sub(rf"^{key}: .*$", f"{key}: {value}", text, count=1, flags=re.M)
     path = out / "ppo.yaml"
     path.write_text(text)

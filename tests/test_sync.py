@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksum
+from parity.sync.group import StandaloneGroup, free_port
 from parity.sync.transports import Disk, Memory, SharedMemory, TorchDistributed, WeightSync, by_name
 
 
@@ -128,26 +129,38 @@ def test_checksum_is_device_and_order_free_and_catches_one_bit() -> None:
     assert checksum(x.view(torch.int32)) != one and checksum(x[:4096].view(64, 64)) != checksum(x[:4096])
 
 
-def _dist_worker(rank: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+def _dist_worker(rank: int, init: str, out: str, world: int, standalone: bool) -> None:
+    if standalone:  # no default group at all: a trainer and servers that share no torch.distributed world
+        host, port = init.split(":")
+        group = StandaloneGroup(host, int(port), rank, world)
+    else:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        group = None
     try:
-        link = TorchDistributed(src=0)
+        link = TorchDistributed(src=0, group=group)
         if rank == 0:
             link.send(WeightBundle.make(7, _weights(7)))
         else:
             store = TensorStore(_weights(0), version=6)
             store.apply(link.receive())
-            torch.save({"version": store.version, "sums": {n: checksum(t) for n, t in store.tensors.items()}}, out)
+            torch.save({"version": store.version, "sums": {n: checksum(t) for n, t in store.tensors.items()}},
+                       f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        if group is None:
+            dist.destroy_process_group()
 
 
-def test_torch_distributed_transport_gloo(tmp_path: Path) -> None:
-    out = tmp_path / "received.pt"
-    mp.start_processes(_dist_worker, args=(f"file://{tmp_path / 'init'}", str(out)), nprocs=2, start_method="spawn")
-    got = torch.load(out)
-    assert got["version"] == 7
-    assert got["sums"] == {n: checksum(t) for n, t in _weights(7).items()}
+@pytest.mark.parametrize("standalone", [False, True], ids=["default-group", "standalone-group"])
+def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool) -> None:
+    """One sender, two receivers: each gets the bundle, verified, with every checksum; over the default group of a
+    shared world, and over a `StandaloneGroup` in processes with no default group."""
+    out, world = tmp_path / "received.pt", 3
+    init = f"127.0.0.1:{free_port()}" if standalone else f"file://{tmp_path / 'init'}"
+    mp.start_processes(_dist_worker, args=(init, str(out), world, standalone), nprocs=world, start_method="spawn")
+    for rank in range(1, world):
+        got = torch.load(f"{out}.{rank}")
+        assert got["version"] == 7
+        assert got["sums"] == {n: checksum(t) for n, t in _weights(7).items()}
 
 
 def test_ppo_sync_through_disk_writes_each_version_once(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ from parity.compare import DumpError
 from zerokl import parity_cli, plan
 from zerokl.ppo import cli as ppo_cli
 from zerokl.tasks import RewardError
+from rollout.sampling import RolloutError
 from parity.io.checkpoint import CheckpointError, init_checkpoint
 
-USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError, RewardError)
+USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError, RewardError, RolloutError)
 
 
 def _progress(msg: str) -> None:

@@ -12,19 +12,14 @@ failure as 1; zerokl's codes, 0 parity held, 1 parity broken, 2 user error, are 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
+from parity.sync.group import free_port
+
 POLL_S = 0.2
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

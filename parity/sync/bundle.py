@@ -45,6 +45,15 @@ def checksum(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def weights_checksum(checksums: Mapping[str, str]) -> str:
+    """One checksum for a whole set of tensors from their `checksum`s (names included, order-free): what a rollout
+    server reports for the weights it serves (`GET /zerokl/weights`) and a trainer computes for what it sent."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(checksums):
+        h.update(f"{name}={checksums[name]};".encode())
+    return h.hexdigest()
+
+
 @dataclass(frozen=True)
 class WeightBundle:
     """`kind` is "full" (every model tensor) or "adapter" (LoRA tensors only)."""

@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from parity.io.atomic import atomic_dir
 from parity.sync.bundle import Message, Receiver, SyncError, Transport, WeightBundle
+from parity.sync.group import StandaloneGroup
 
 MANIFEST = "manifest.json"
 TENSORS = "weights.safetensors"
@@ -142,30 +143,42 @@ class Disk:
 @dataclass
 class TorchDistributed:
     """Broadcast from `src` to every rank of `group`; receiving ranks call `receive()` and get the tensors on
-    `device` (default: the CPU)."""
+    `device` (default: the CPU). `group`: a group of this process's `torch.distributed` world (None: the default
+    group), or a `StandaloneGroup` (a trainer and rollout servers that share no world)."""
 
     src: int = 0
-    group: dist.ProcessGroup | None = None
+    group: dist.ProcessGroup | StandaloneGroup | None = None
     device: torch.device | str | None = None
     name: str = "torch_distributed"
 
+    def _broadcast(self, t: torch.Tensor) -> None:
+        if isinstance(self.group, StandaloneGroup):
+            self.group.broadcast(t, self.src)
+        else:
+            dist.broadcast(t, src=self.src, group=self.group)
+
+    def _broadcast_object(self, obj: dict | None) -> dict:
+        if isinstance(self.group, StandaloneGroup):
+            return self.group.broadcast_object(obj, self.src, self.device)
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        assert box[0] is not None
+        return box[0]
+
     def send(self, bundle: WeightBundle) -> Message:
-        manifest = [{"version": bundle.version, "kind": bundle.kind, "checksums": dict(bundle.checksums),
-                     "meta": [(n, tuple(t.shape), str(t.dtype)) for n, t in sorted(bundle.tensors.items())]}]
-        dist.broadcast_object_list(manifest, src=self.src, group=self.group)
-        for name, _, _ in manifest[0]["meta"]:
-            dist.broadcast(bundle.tensors[name].contiguous(), src=self.src, group=self.group)
+        manifest = {"version": bundle.version, "kind": bundle.kind, "checksums": dict(bundle.checksums),
+                    "meta": [(n, list(t.shape), str(t.dtype)) for n, t in sorted(bundle.tensors.items())]}
+        self._broadcast_object(manifest)
+        for name, _, _ in manifest["meta"]:
+            self._broadcast(bundle.tensors[name].contiguous())
         return {"version": bundle.version, "kind": bundle.kind}
 
     def receive(self, message: Message | None = None) -> WeightBundle:
-        box: list[dict | None] = [None]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        manifest = box[0]
-        assert manifest is not None
+        manifest = self._broadcast_object(None)
         tensors = {}
         for name, shape, dtype in manifest["meta"]:
             t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
-            dist.broadcast(t, src=self.src, group=self.group)
+            self._broadcast(t)
             tensors[name] = t
         return WeightBundle(manifest["version"], manifest["kind"], tensors, manifest["checksums"])
 

@@ -1,5 +1,6 @@
 """`zerokl ppo --config C [--steps N] [--out DIR] [--resume DIR] [--kernels K] [--on-mismatch M] [--wandb W]
-[--backend megatron|deepspeed] [--zero-stage 2|3] [--nproc-per-node N]`.
+[--backend megatron|deepspeed] [--zero-stage 2|3] [--nproc-per-node N] [--rollout-servers URL,... |
+--num-rollout-servers N]`.
 
 Writes `OUT/metrics.jsonl` (one line per step, keys `METRIC_KEYS` plus loss/grad_norm/sync figures),
 checkpoints under `OUT/checkpoints/step-N`, wandb files under `OUT/wandb` (offline unless `--wandb online`),
@@ -10,6 +11,10 @@ something other than a finite number mid-run: the error names the dataset line a
 `--nproc-per-node N` (N > 1, DeepSpeed only) starts N processes of this command (`zerokl.launch`; the run's
 starting checkpoint is created first); under any torchrun-style launcher the command runs as one rank of it. Rank 0
 owns the rollout engine and writes the metrics, wandb and console output; checkpoints are written collectively.
+
+`--rollout-servers URL,...` rolls out on running `zerokl serve` servers and syncs weights into them
+(`rollout.remote`); `--num-rollout-servers N` starts N of them on this machine first (`rollout.local_servers`, logs
+in `OUT/servers/`) and stops them when the run ends, by error, Ctrl-C or SIGTERM included.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from parity.config import ConfigError
@@ -76,14 +82,39 @@ def _wandb_run(cfg: PPOConfig, out: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed, resume_point
-
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
                           wandb=args.wandb, lora=args.lora or None, backend=args.backend,
-                          zero_stage=args.zero_stage)
+                          zero_stage=args.zero_stage, rollout_servers=args.rollout_servers,
+                          num_rollout_servers=args.num_rollout_servers)
     out = Path(args.out)
+    if cfg.num_rollout_servers:
+        return _with_servers(cfg, out, args)
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(cfg, out, args.nproc_per_node)
+    return _train(cfg, out, args)
+
+
+def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
+    """Start `num_rollout_servers` servers on the run's checkpoint, train against them, stop them however the run
+    ends (a SIGTERM ends the run as Ctrl-C does)."""
+    from rollout.local_servers import local_servers
+    from zerokl.ppo.loop import ENGINE_ARGS, base_checkpoint
+
+    _check_nproc(cfg, args.nproc_per_node)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    checkpoint = base_checkpoint(cfg, out)
+    with local_servers(checkpoint, cfg.num_rollout_servers, out / "servers", cfg.kernels, ENGINE_ARGS) as urls:
+        if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+            from zerokl.launch import launch
+            return launch([*sys.argv[1:], "--num-rollout-servers", "0", "--rollout-servers", ",".join(urls)],
+                          args.nproc_per_node)
+        return _train(replace(cfg, rollout_servers=list(urls), num_rollout_servers=0), out, args)
+
+
+def _train(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
+    from rollout.sampling import RolloutError
+    from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed, resume_point
+
     rank0 = int(os.environ.get("RANK", "0")) == 0
     log = (lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None)  # noqa: E731
     run_ = PPORun(cfg, out, resume_point(Path(args.resume)) if args.resume else None, log=log)
@@ -102,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             try:
                 result = run_.run_step()
-            except (SyncFailed, StaleRollout) as e:
+            except (SyncFailed, StaleRollout, RolloutError) as e:
                 log(f"STOPPED at step {run_.step}: {e}")
                 return 1
             except RewardError as e:  # the user's reward function failed: a user error (exit 2)
@@ -137,11 +168,15 @@ def _launch(cfg: PPOConfig, out: Path, nproc: int) -> int:
     from zerokl.launch import launch
     from zerokl.ppo.loop import base_checkpoint
 
-    if cfg.backend != "deepspeed":
-        raise ConfigError(f"--nproc-per-node {nproc}: the {cfg.backend} backend runs in one process; "
-                          "use --backend deepspeed for several")
+    _check_nproc(cfg, nproc)
     base_checkpoint(cfg, out)
     return launch(sys.argv[1:], nproc)
+
+
+def _check_nproc(cfg: PPOConfig, nproc: int) -> None:
+    if nproc > 1 and cfg.backend != "deepspeed":
+        raise ConfigError(f"--nproc-per-node {nproc}: the {cfg.backend} backend runs in one process; "
+                          "use --backend deepspeed for several")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -163,5 +198,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")
     p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (DeepSpeed: ZeRO partitions "
                    "over them, every rank trains on the whole batch); N > 1 starts N copies of this command")
+    p.add_argument("--rollout-servers", type=_urls, metavar="URL[,URL...]", help="roll out on these running `zerokl "
+                   "serve` servers (same checkpoint) over HTTP and sync weights into them (config key "
+                   "rollout_servers)")
+    p.add_argument("--num-rollout-servers", type=int, metavar="N", help="start N `zerokl serve` servers on this "
+                   "machine for the run and stop them at its end (config key num_rollout_servers)")
     p.set_defaults(func=run)
+
+
+def _urls(text: str) -> list[str]:
+    return [u.strip() for u in text.split(",") if u.strip()]
 

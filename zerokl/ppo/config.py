@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,10 @@ class PPOConfig:
     seed: int = 0
     kernels: str = "invariant"
     on_mismatch: str = "stop"
-    sync: str = "shared_memory"  # weight transport into the engine's processes: shared_memory or disk (OUT/sync)
+    sync: str = "shared_memory"  # weight transport into the engine's processes: shared_memory, disk (OUT/sync), or
+    # torch_distributed (rollout servers only: a broadcast over a gloo / NCCL group joined per sync)
+    rollout_servers: list[str] | None = None  # URLs of running `zerokl serve` servers: rollouts and syncs over HTTP
+    num_rollout_servers: int = 0  # > 0: `zerokl ppo` starts this many servers on this machine (and stops them)
     checkpoint_every: int = 25
     wandb: str = "offline"
     backend: str = "megatron"  # trainer backend (trainer.backend): megatron (one process) or deepspeed
@@ -129,7 +133,8 @@ class PPOConfig:
         except ValueError as e:
             raise ConfigError(f"ppo config: kernels {self.kernels!r}: {e}") from None
         _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
-        _choice("sync", self.sync, ("shared_memory", "disk"))
+        _choice("sync", self.sync, ("shared_memory", "disk", "torch_distributed"))
+        self._check_rollout_servers()
         _choice("wandb", self.wandb, ("offline", "online", "disabled"))
         _choice("backend", self.backend, BACKENDS)
         if self.backend == "deepspeed":
@@ -179,6 +184,27 @@ class PPOConfig:
                 if getattr(self, name) is not None:
                     raise ConfigError(f"ppo config: {name} is only read with advantage: gae (the value head); "
                                       f"drop {name} or set advantage: gae")
+
+    def _check_rollout_servers(self) -> None:
+        """rollout_servers (URLs) or num_rollout_servers (started here), not both; what they do not run."""
+        if self.num_rollout_servers < 0:
+            raise ConfigError(f"ppo config: num_rollout_servers must be >= 0, got {self.num_rollout_servers}")
+        if self.rollout_servers is not None and self.num_rollout_servers:
+            raise ConfigError("ppo config: give rollout_servers (running servers) or num_rollout_servers (servers "
+                              "started by this run), not both")
+        for url in self.rollout_servers or ():
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+                raise ConfigError(f"ppo config: rollout server {url!r} is not a server URL (http://HOST:PORT)")
+        if self.rollout_servers is not None and not self.rollout_servers:
+            raise ConfigError("ppo config: rollout_servers is empty; drop it to roll out in this process")
+        remote = bool(self.rollout_servers) or self.num_rollout_servers > 0
+        if self.sync == "torch_distributed" and not remote:
+            raise ConfigError("ppo config: sync torch_distributed reaches rollout servers; the in-process engine "
+                              "takes shared_memory or disk (or give rollout_servers / num_rollout_servers)")
+        if remote and self.lora:
+            raise ConfigError("ppo config: lora with rollout servers is not supported: a LoRA run rolls out in "
+                              "process (adapters reach running servers through `zerokl lora push`)")
 
     def _check_lora_keys(self) -> None:
         """The adapter keys: refused without lora, and (but lora_init) with lora_init, whose adapter brings its own;

@@ -103,7 +103,7 @@ from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.ppo.config import PPOConfig
 from parity.io.atomic import commit_partial, partial_path
 from parity.quant.mxfp4 import QuantError
-from parity.sync.bundle import SyncError, WeightBundle
+from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import RewardError, make_task
 
@@ -165,6 +165,7 @@ class PPORun:
     def __init__(self, cfg: PPOConfig, out: Path, resume: Path | None = None,
                  log: Callable[[str], None] = print, engine_args: dict[str, Any] | None = None):
         from rollout.engine import RolloutEngine, lora_engine_args
+        from rollout.remote import RemoteRollout
         from tokenizers import Tokenizer
         from trainer.backend import build_backend
 
@@ -189,16 +190,19 @@ class PPORun:
                 f"selection, which has no gradient); they are synced unchanged")
         self.reference = reference_forward(cfg, base) if self.rank0 and cfg.kl_coef > 0 else None
         self.engine: Any = None
-        self.sync: WeightSync | None = None
+        self.sync: WeightSync | RemoteSync | None = None
         if self.rank0:
             if self.backend.world_size > 1:  # a forked engine process would inherit the multi-rank process group
                 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-            args = dict(engine_args or ENGINE_ARGS)
-            if adapter is not None:
-                args.update(lora_engine_args(adapter_rank(adapter)))
-            self.engine = RolloutEngine(base, kernels=cfg.kernels, **args)
-            transport = Disk(out / "sync") if cfg.sync == "disk" else SharedMemory()
-            self.sync = WeightSync(transport, self.engine, after_sync=[self._after_sync])
+            if cfg.rollout_servers:
+                self.engine = RemoteRollout(cfg.rollout_servers, self.backend.model_cfg.text, log=log)
+                self.sync = RemoteSync(self.engine, sync_transport(cfg, out), after_sync=[self._after_sync])
+            else:
+                args = dict(engine_args or ENGINE_ARGS)
+                if adapter is not None:
+                    args.update(lora_engine_args(adapter_rank(adapter)))
+                self.engine = RolloutEngine(base, kernels=cfg.kernels, **args)
+                self.sync = WeightSync(sync_transport(cfg, out), self.engine, after_sync=[self._after_sync])
         self.rng = random.Random(cfg.seed)
         self.step = 0
         self.version = 0
@@ -213,6 +217,8 @@ class PPORun:
             self._load_state(resume)
         elif self.generator is not None:
             self.kept[0] = self._kept_copy(self._export_base())
+        if cfg.rollout_servers:
+            self._align_servers(base)
         if adapter is not None:
             self._start_lora(adapter)
 
@@ -224,6 +230,28 @@ class PPORun:
 
     def _after_sync(self, bundle: WeightBundle, result: SyncResult) -> None:
         self.last_sync = result
+
+    def _align_servers(self, checkpoint: Path) -> None:
+        """Rollout servers: before the first step they serve this run's weights at its version (checked by checksum);
+        servers behind it (started on the checkpoint for a resumed run, or restarted) get them by a sync. Collective:
+        every rank exports, rank 0 checks and syncs, and tells the others the outcome."""
+        bundle = WeightBundle.make(self.version, self._export_base())
+        error = None
+        if self.rank0:
+            held, expected = self.engine.version, weights_checksum(bundle.checksums)
+            try:
+                if held < self.version:
+                    self.log(f"rollout servers at version {held}: syncing the run's version {self.version}")
+                    self.sync(bundle)
+                elif held > self.version or any(c != expected for c in self.engine.checksums.values()):
+                    error = (f"the rollout servers serve version {held} of other weights than this run's version "
+                             f"{self.version}; start them on the run's checkpoint (`zerokl serve --checkpoint "
+                             f"{checkpoint}`), or restart them to resume")
+            except SyncError as e:
+                error = f"the rollout servers could not take the run's weights: {e}"
+        error = self.backend.broadcast(error)
+        if error is not None:
+            raise ConfigError(error)
 
     def _start_lora(self, adapter: Adapter) -> None:
         """Install the base with one full-weight sync (timed, for comparison) and the adapter as the engine's
@@ -686,6 +714,27 @@ def read_run_state(path: Path) -> dict:
         return json.loads((path / STATE_FILE).read_text())
     except json.JSONDecodeError as e:
         raise FileNotFoundError(f"{path / STATE_FILE} is not a zerokl ppo state ({e})") from None
+
+
+def sync_transport(cfg: PPOConfig, out: Path) -> Transport | None:
+    """The transport `sync` names (None: torch_distributed, which `rollout.remote` sets up per sync)."""
+    return {"disk": lambda: Disk(out / "sync"), "shared_memory": SharedMemory,
+            "torch_distributed": lambda: None}[cfg.sync]()
+
+
+@dataclass
+class RemoteSync:
+    """`WeightSync`'s call for rollout servers: `RemoteRollout.sync` with `transport`, then the hooks."""
+
+    remote: Any  # rollout.remote.RemoteRollout
+    transport: Transport | None
+    after_sync: list[Callable[[WeightBundle, SyncResult], None]]
+
+    def __call__(self, bundle: WeightBundle) -> SyncResult:
+        result = self.remote.sync(bundle, self.transport)
+        for hook in self.after_sync:
+            hook(bundle, result)
+        return result
 
 
 def check_resumable(path: Path, cfg: PPOConfig) -> None:

