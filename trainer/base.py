@@ -136,6 +136,14 @@ class TrainerBackend(ABC):
         dist.broadcast_object_list(box, src=0)
         return box[0]  # type: ignore[return-value]
 
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order, on every rank (pickled)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

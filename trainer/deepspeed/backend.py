@@ -1,7 +1,7 @@
 """`DeepSpeedBackend`: the DeepSpeed ZeRO trainer (`trainer.deepspeed.engine`) behind `TrainerBackend`: ZeRO-2 or -3
-with torch AdamW and Megatron's clipping, one or more processes (torchrun-style env, e.g. from `zerokl.launch`). Every
-rank is given the same batches, so data parallelism partitions memory only and every update keeps Megatron's bits
-(trainer/deepspeed/README.md)."""
+with torch AdamW and Megatron's clipping, one or more processes (torchrun-style env, e.g. from `zerokl.launch`). The
+PPO loop gives every rank the same batches (updates keep Megatron's bits) or, with `data_parallel: shard`, each rank
+its own block of every minibatch, DeepSpeed averaging the gradients (trainer/deepspeed/README.md)."""
 
 from __future__ import annotations
 

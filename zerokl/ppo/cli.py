@@ -82,11 +82,17 @@ def _wandb_run(cfg: PPOConfig, out: Path):
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerokl.ppo.loop import check_sharding
+
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
                           wandb=args.wandb, lora=args.lora or None, backend=args.backend,
                           zero_stage=args.zero_stage, rollout_servers=args.rollout_servers,
                           num_rollout_servers=args.num_rollout_servers)
     out = Path(args.out)
+    try:
+        check_sharding(cfg, int(os.environ.get("WORLD_SIZE", args.nproc_per_node)))
+    except ConfigError as e:
+        raise ConfigError(f"{args.config}: {str(e).removeprefix('ppo config: ')}") from None
     if cfg.num_rollout_servers:
         return _with_servers(cfg, out, args)
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
@@ -197,7 +203,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "megatron)")
     p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")
     p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (DeepSpeed: ZeRO partitions "
-                   "over them, every rank trains on the whole batch); N > 1 starts N copies of this command")
+                   "over them; every rank trains on the whole batch, or on its own part with data_parallel: shard); N > 1 starts "
+                   "N copies of this command")
     p.add_argument("--rollout-servers", type=_urls, metavar="URL[,URL...]", help="roll out on these running `zerokl "
                    "serve` servers (same checkpoint) over HTTP and sync weights into them (config key "
                    "rollout_servers)")

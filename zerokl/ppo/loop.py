@@ -171,6 +171,7 @@ class PPORun:
 
         if resume is not None:
             check_resumable(resume, cfg)
+        self.sharded = check_sharding(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.cfg, self.out, self.log = cfg, out, log
         out.mkdir(parents=True, exist_ok=True)
         self.task = make_task(cfg.task, **(cfg.task_args or {}))
@@ -427,6 +428,7 @@ class PPORun:
             "adv": grpo_advantages(rewards, cfg.samples_per_prompt, cfg.normalize_adv_std)}
         n = len(samples)
         updates = cfg.ppo_epochs * cfg.num_minibatches
+        ranks, rank = (self.backend.world_size, self.backend.rank) if self.sharded else (1, 0)
 
         def check(lp: torch.Tensor, raw: torch.Tensor, rows: torch.Tensor, routing: list[torch.Tensor]) -> None:
             """The zero-KL check: the trainer's log-probs `lp` (the sampling distribution's, vLLM's processed ones) and
@@ -472,9 +474,11 @@ class PPORun:
                     lp, raw, ent, *value = (x.gather(1, index[rows]) for x in outs)
                 if checking:  # before its optimizer step
                     first_update.append((lp.detach(), raw.detach(), rows, per_sequence(log, sub.lens)))
-                    if sum(len(u[2]) for u in first_update) == len(minibatch):
-                        check(*(torch.cat([u[i] for u in first_update]) for i in (0, 1, 2)),
-                              [r for *_, routing in first_update for r in routing])
+                    if sum(len(u[2]) for u in first_update) == len(minibatch) // ranks:  # this rank's last pass
+                        every = [u for part in self.backend.all_gather(first_update) for u in part] \
+                            if ranks > 1 else first_update
+                        check(*(torch.cat([u[i] for u in every]) for i in (0, 1, 2)),
+                              [r for *_, routing in every for r in routing])
                 if cfg.logprobs_mode == "raw_logprobs":  # the loss's log-probs (the old ones are the same kind)
                     lp = raw
                 if "adv" not in targets:  # GAE, one update in one pass: its forward (every sample, generating version)
@@ -490,12 +494,15 @@ class PPORun:
                 m = mask[rows]
                 stats["ppo_kl"] = float(((old[rows] - lp.detach()) * m).sum() / m.sum().clamp(min=1))
                 per_update.append((float(share), stats))
+                if ranks > 1:  # DeepSpeed averages the ranks' gradients: each rank's share of the sum, times ranks
+                    return loss * (share * ranks)
                 return loss if len(rows) == len(minibatch) else loss * share
 
             return loss_fn
 
         t1 = time.perf_counter()
         losses, norms = [], []
+        shards: list[tuple[int, float, float]] = []  # per rank: (samples, completion tokens, mean reward), first update
         shuffle = torch.Generator().manual_seed(step_seed(cfg.seed, self.step))
         try:
             gae_pass = gae and (updates > 1 or cfg.micro_batch_size is not None)  # old values before any update
@@ -517,13 +524,20 @@ class PPORun:
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(n, generator=shuffle) if updates > 1 else torch.arange(n)
                 for rows in order.tensor_split(cfg.num_minibatches):
-                    passes = rows.split(cfg.micro_batch_size) if cfg.micro_batch_size else (rows,)
+                    mine = rows.tensor_split(ranks)[rank]  # with data_parallel: shard, this rank's block
+                    if ranks > 1 and not shards:
+                        shards.extend(self.backend.all_gather((len(mine), float(mask[mine].sum()),
+                                                               float(rewards[mine].mean()))))
+                    passes = mine.split(cfg.micro_batch_size) if cfg.micro_batch_size else (mine,)
                     loss, grad_norm = self.backend.train_step(*(loss_for(r, rows) for r in passes))
                     losses.append(loss)
                     norms.append(grad_norm)
         except ParityViolation:
             return StepResult(self._metrics(report, rewards, samples, t_roll, None, self.version - generated),
                               self._diagnose(report, samples))
+        if ranks > 1:  # each rank's losses and stats are its shard's part of the whole: add them up, in rank order
+            losses = [sum(ls) / ranks for ls in zip(*self.backend.all_gather(losses))]
+            per_update = [u for part in self.backend.all_gather(per_update) for u in part]
         loss, grad_norm = sum(losses) / len(losses), sum(norms) / len(norms)
         t_train = time.perf_counter() - t1
         metrics = self._metrics(report, rewards, samples, t_roll, t_train, self.version - generated)
@@ -538,6 +552,9 @@ class PPORun:
             if key in per_update[0][1]})
         if gae:
             metrics.update(explained_var=explained_variance(targets["returns"], targets["values"], mask))
+        if ranks > 1:
+            metrics.update(dp_size=ranks, **{f"dp_rank{r}_{key}": value for r, shard in enumerate(shards)
+                                             for key, value in zip(("samples", "tokens", "reward_mean"), shard)})
         if self.last_sync is not None:  # rank 0
             metrics.update(sync_seconds=self.last_sync.seconds, sync_bytes=self.last_sync.nbytes)
             if not self.cfg.lora and self.backend.model_cfg.text.expert_format is not None:
@@ -714,6 +731,21 @@ def read_run_state(path: Path) -> dict:
         return json.loads((path / STATE_FILE).read_text())
     except json.JSONDecodeError as e:
         raise FileNotFoundError(f"{path / STATE_FILE} is not a zerokl ppo state ({e})") from None
+
+
+def check_sharding(cfg: PPOConfig, ranks: int) -> bool:
+    """Whether the run shards each minibatch over its `ranks` processes (`data_parallel: shard`); ConfigError unless
+    there are several and every minibatch splits evenly over them (every rank then runs the same passes)."""
+    if cfg.data_parallel != "shard":
+        return False
+    samples = cfg.prompts_per_step * cfg.samples_per_prompt
+    if ranks < 2:
+        raise ConfigError("ppo config: data_parallel: shard needs several processes (--nproc-per-node N > 1)")
+    if samples % (cfg.num_minibatches * ranks):
+        raise ConfigError(f"ppo config: data_parallel: shard splits each minibatch over the {ranks} processes: the "
+                          f"{samples} samples of a step (prompts_per_step x samples_per_prompt) must divide into "
+                          f"num_minibatches = {cfg.num_minibatches} x {ranks} equal parts")
+    return True
 
 
 def sync_transport(cfg: PPOConfig, out: Path) -> Transport | None:
