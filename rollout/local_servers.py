@@ -41,10 +41,12 @@ def engine_flags(engine_args: Mapping[str, Any]) -> list[str]:
 
 
 class LocalServers:
-    """`count` servers of `checkpoint` on 127.0.0.1 (free ports), each with `engine_args`."""
+    """`count` servers of `checkpoint` on free ports of this machine, each with `engine_args`, listening on `host`
+    (127.0.0.1: this machine only; 0.0.0.0: every interface); `urls` reach them from this machine."""
 
     def __init__(self, checkpoint: str | Path, count: int, log_dir: Path, kernels: str = "invariant",
-                 engine_args: Mapping[str, Any] | None = None, log: Callable[[str], None] = print):
+                 engine_args: Mapping[str, Any] | None = None, log: Callable[[str], None] = print,
+                 host: str = "127.0.0.1"):
         if count < 1:
             raise RolloutError(f"the number of rollout servers must be >= 1, got {count}")
         cfg = load_model_config(checkpoint)
@@ -55,8 +57,8 @@ class LocalServers:
         self.logs = [log_dir / f"server-{k}.log" for k in range(count)]
         try:
             for k in range(count):
-                port = free_port()
-                argv = serve_argv(checkpoint, kernels, "127.0.0.1", port, engine_flags(engine_args or {}),
+                port = free_port(host)
+                argv = serve_argv(checkpoint, kernels, host, port, engine_flags(engine_args or {}),
                                   cfg.model_type, cfg.text.torch_dtype)
                 with self.logs[k].open("w") as out:
                     self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,

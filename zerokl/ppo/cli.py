@@ -84,20 +84,28 @@ def _wandb_run(cfg: PPOConfig, out: Path):
 def run(args: argparse.Namespace) -> int:
     from zerokl.ppo.loop import check_sharding
 
+    servers = args.num_rollout_servers
+    if args.ray is not None and servers is None and not _config_key(args.config, "num_rollout_servers"):
+        servers = 1  # --ray runs the servers it starts: one unless the flag or the config says more
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
                           wandb=args.wandb, lora=args.lora or None, backend=args.backend,
                           zero_stage=args.zero_stage, rollout_servers=args.rollout_servers,
-                          num_rollout_servers=args.num_rollout_servers)
+                          num_rollout_servers=servers)
     out = Path(args.out)
     try:
         check_sharding(cfg, int(os.environ.get("WORLD_SIZE", args.nproc_per_node)))
     except ConfigError as e:
         raise ConfigError(f"{args.config}: {str(e).removeprefix('ppo config: ')}") from None
+    if args.ray is not None:
+        from zerokl.ppo.on_ray import run_on_ray
+
+        _check_nproc(cfg, args.nproc_per_node)
+        return run_on_ray(cfg, out.resolve(), args.resume, args.ray, args.nproc_per_node)
     if cfg.num_rollout_servers:
         return _with_servers(cfg, out, args)
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(cfg, out, args.nproc_per_node)
-    return _train(cfg, out, args)
+    return train(cfg, out, args.resume)
 
 
 def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
@@ -114,16 +122,18 @@ def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
             from zerokl.launch import launch
             return launch([*sys.argv[1:], "--num-rollout-servers", "0", "--rollout-servers", ",".join(urls)],
                           args.nproc_per_node)
-        return _train(replace(cfg, rollout_servers=list(urls), num_rollout_servers=0), out, args)
+        return train(replace(cfg, rollout_servers=list(urls), num_rollout_servers=0), out, args.resume)
 
 
-def _train(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
+def train(cfg: PPOConfig, out: Path, resume: str | None) -> int:
+    """The PPO run in this process (one rank under a launcher): the console lines, metrics, checkpoints; its exit
+    code."""
     from rollout.sampling import RolloutError
     from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed, resume_point
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     log = (lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None)  # noqa: E731
-    run_ = PPORun(cfg, out, resume_point(Path(args.resume)) if args.resume else None, log=log)
+    run_ = PPORun(cfg, out, resume_point(Path(resume)) if resume else None, log=log)
     wb = _wandb_run(cfg, out) if rank0 else None
     metrics_path = out / "metrics.jsonl"
     if rank0 and run_.step == 0:
@@ -179,6 +189,17 @@ def _launch(cfg: PPOConfig, out: Path, nproc: int) -> int:
     return launch(sys.argv[1:], nproc)
 
 
+def _config_key(path: str, key: str) -> object:
+    """`key`'s value in the YAML config at `path` (None when absent or unreadable: loading it says why)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return raw.get(key) if isinstance(raw, dict) else None
+
+
 def _check_nproc(cfg: PPOConfig, nproc: int) -> None:
     if nproc > 1 and cfg.backend != "deepspeed":
         raise ConfigError(f"--nproc-per-node {nproc}: the {cfg.backend} backend runs in one process; "
@@ -210,6 +231,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "rollout_servers)")
     p.add_argument("--num-rollout-servers", type=int, metavar="N", help="start N `zerokl serve` servers on this "
                    "machine for the run and stop them at its end (config key num_rollout_servers)")
+    p.add_argument("--ray", metavar="auto|ADDRESS", help="run on a Ray cluster: the rollout servers "
+                   "(--num-rollout-servers, default 1) and the trainer ranks (--nproc-per-node) as Ray actors in one "
+                   "placement group (zerokl.ppo.on_ray; pip install zerokl[ray])")
     p.set_defaults(func=run)
 
 
