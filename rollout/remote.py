@@ -7,9 +7,8 @@ which server runs it or what else that server batches. The samples of one prompt
 serves the prompt once), prompts are spread over the servers in turn. Each request carries the version its client
 expects (`X-ZeroKL-Weight-Version`: a server holding another version refuses it) and each answer's tokens must carry
 that version (vLLM labels every token with the weights that sampled it), so no step mixes samples of two versions.
-A server that fails (connection refused or reset, HTTP 5xx) is dropped for the rest of the run and its prompts are
-retried on the others: the same seeds give the same samples there. With no server left the call raises
-`RolloutError`.
+A server that fails (connection refused or reset, HTTP 5xx) is dropped and its prompts are retried on the others:
+the same seeds give the same samples there. With no server left the call raises `RolloutError`.
 
 Weight sync (`sync`): every live server is paused (its running requests finish first), joins one
 `torch.distributed` group with the trainer (`StandaloneGroup`: gloo on CPU, NCCL on CUDA tensors; set up anew per sync
@@ -17,14 +16,17 @@ through `/init_weight_transfer_engine`, so a dropped or restarted server never b
 broadcast, each server verifying it (names, shapes, dtypes, checksums, a newer version) and staging it. Only when every
 server staged it do they all apply it (`/finish_weight_update`); if any refused, every server drops its staged copy and
 keeps its weights (all or none). Then each server's `GET /zerokl/weights` must report the new version and the checksum
-of what was sent, and generation resumes. A server whose weights are behind (restarted) is brought to the current
-version by the next sync, and gets no requests before it.
+of what was sent, and generation resumes. A dropped server that answers again (restarted) takes part in the next
+sync, which brings it to the current version, and gets no requests before it. Adapters (LoRA runs) go through
+`zerokl lora push`'s protocol instead (`set_policy_adapter`, `sync` of an adapter bundle).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -33,6 +35,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +46,7 @@ from parity.sync.group import StandaloneGroup, address_towards, free_port
 from parity.sync.transports import SyncResult, TorchDistributed
 from rollout.sampling import RolloutError, Sample, check_sampling, prompt_seeds, root_message, sample_seed
 from rollout.server_admin import (ABORT_ROUTE, GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE,
-                                  VERSION_HEADER, WEIGHTS_ROUTE)
+                                  VERSION_HEADER, WEIGHTS_ROUTE, served_version)
 
 
 class ServerDown(RuntimeError):
@@ -101,7 +104,7 @@ class RemoteRollout:
     servers: list[Server] = field(init=False)  # live: they get requests
     dropped: list[Server] = field(init=False, default_factory=list)  # failed; rejoin at a sync once they answer
     version: int = field(init=False, default=0)
-    policy_adapter: None = field(init=False, default=None)  # LoRA runs sync adapters through `zerokl lora push`
+    policy_adapter: str | None = field(init=False, default=None)  # the served name requests select (LoRA runs)
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -141,10 +144,9 @@ class RemoteRollout:
     def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
-                 lora: None = None, record: bool = False) -> list[Sample]:
-        """`RolloutEngine.generate`'s contract (token-id prompts; no adapters: see `policy_adapter`)."""
-        if lora is not None:
-            raise RolloutError("rollout servers take adapters through `zerokl lora push`, not per request")
+                 lora: str | None = None, record: bool = False) -> list[Sample]:
+        """`RolloutEngine.generate`'s contract (token-id prompts); `lora`: the served adapter name every prompt uses
+        (`policy_adapter`), None for the base model."""
         if any(isinstance(p, str) for p in prompts):
             raise RolloutError("rollout servers take token-id prompts")
         seeds = prompt_seeds(prompts, seed)
@@ -162,7 +164,8 @@ class RemoteRollout:
             def run(job: tuple[int, int]) -> tuple[Server, dict]:
                 i, j = job
                 body = {"request_id": f"{RECORD_MARK}{tag}-{i}-{j}", "token_ids": list(prompts[i]),
-                        "sampling_params": {**params, "seed": sample_seed(seeds[i], j)}}
+                        "sampling_params": {**params, "seed": sample_seed(seeds[i], j)},
+                        **({"model": lora} if lora is not None else {})}
                 server = assignment[job]
                 return server, self._request(server, body)
 
@@ -207,7 +210,7 @@ class RemoteRollout:
         choice = answer["choices"][0]
         tokens = list(choice["token_ids"])
         versions = {span["version"] for span in choice.get("weight_versions") or ()}
-        if {int(v) if v != "default" else 0 for v in versions} != {self.version}:
+        if {served_version(v) for v in versions} != {self.version}:
             raise RolloutError(f"request {answer.get('request_id')}: tokens from weight versions {sorted(versions)}, "
                                f"expected {self.version} only")
         content = choice["logprobs"]["content"]
@@ -253,8 +256,8 @@ class RemoteRollout:
         broadcast (servers anywhere), or a `SharedMemory` (servers on this host) or `Disk` (a directory they all read)
         whose message each server's workers read. SyncError if refused; the servers then all keep their previous
         version."""
-        if bundle.kind != "full":
-            raise SyncError("rollout servers take full weight bundles; adapters go through `zerokl lora push`")
+        if bundle.kind == "adapter":
+            return self._sync_adapter(bundle)
         t0 = time.perf_counter()
         servers = [s for s in [*self.servers, *self.dropped] if self._answers(s)]
         if not servers:
@@ -275,6 +278,72 @@ class RemoteRollout:
         self.servers = servers
         self.version = bundle.version
         return SyncResult(bundle.version, bundle.kind, bundle.nbytes(), time.perf_counter() - t0)
+
+    # --- LoRA -----------------------------------------------------------------------------------------
+    def set_policy_adapter(self, name: str, path: str | Path) -> str:
+        """Serve the PEFT adapter at `path` as the policy adapter on every live server (`zerokl lora push`: all or
+        none), under a name unique to this client; returns the name requests select it by. Later adapter bundles
+        (`sync`) must carry the same tensors."""
+        from lora.adapter import load_adapter
+
+        adapter = load_adapter(path, self.text_cfg)
+        self._policy_spec = adapter.spec
+        self._policy_shapes = {n: (tuple(t.shape), torch.float32) for n, t in adapter.tensors().items()}
+        self.policy_adapter = f"{name}-{uuid.uuid4().hex[:8]}"
+        self._push(Path(path), self.version)
+        return self.policy_adapter
+
+    def _sync_adapter(self, bundle: WeightBundle) -> SyncResult:
+        """A new version of the policy adapter: verified against its tensors, written as a PEFT directory in the
+        servers' adapter directory, pushed to every live server (all or none)."""
+        from lora.adapter import Adapter, pair_tensors, save_adapter
+        from parity.sync.bundle import verify
+
+        if self.policy_adapter is None:
+            raise SyncError("adapter update without a policy adapter: call set_policy_adapter first")
+        t0 = time.perf_counter()
+        verify(bundle, self._policy_shapes, self.version)
+        staged = Path(tempfile.mkdtemp(prefix="zerokl-adapter-")) / "adapter"
+        try:
+            self._push(save_adapter(Adapter(self._policy_spec, pair_tensors(bundle.tensors, "adapter update")),
+                                    staged), bundle.version)
+        except ValueError as e:
+            raise SyncError(f"adapter update {bundle.version} rejected: {e}") from None
+        finally:
+            shutil.rmtree(staged.parent, ignore_errors=True)
+        self.version = bundle.version
+        return SyncResult(bundle.version, bundle.kind, bundle.nbytes(), time.perf_counter() - t0)
+
+    def _push(self, adapter: Path, version: int) -> None:
+        """Copy `adapter` into the servers' adapter directory (`zerokl serve --lora-root`, one directory all of them
+        read) and push it as `policy_adapter` everywhere; the servers then label their outputs `version`."""
+        from lora.push import STATE_ROUTE, PushError, push
+        from lora.push import Server as LoraServer
+
+        servers = self.live()
+        roots = set()
+        for s in servers:
+            try:
+                roots.add(s.call("GET", STATE_ROUTE)["lora_root"])
+            except urllib.error.HTTPError:
+                raise SyncError(f"rollout server {s.url} serves no adapters: start it with `zerokl serve "
+                                "--lora-root DIR`") from None
+        if len(roots) != 1:
+            raise SyncError(f"the rollout servers read adapters from different directories {sorted(roots)}; a LoRA "
+                            "run needs one directory they all read (--lora-root)")
+        target = Path(roots.pop()) / f"{self.policy_adapter}-v{version:08d}"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(adapter, target)
+        try:
+            push([LoraServer(s.url, s.api_key) for s in servers], str(self.policy_adapter), target,
+                 log=lambda _: None)
+        except (PushError, ValueError) as e:
+            shutil.rmtree(target, ignore_errors=True)
+            raise SyncError(f"adapter version {version} was not pushed: {e}") from None
+        self._each(servers, lambda s: s.call("POST", "/update_weight_version", {"new_version": str(version)}))
+        for old in target.parent.glob(f"{self.policy_adapter}-v*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _answers(self, server: Server) -> bool:
         """Whether `server` can take part in a sync (a dropped one is probed: started again, it records anew)."""

@@ -36,7 +36,8 @@ RECORDS_START_ROUTE = "/zerokl/records/start"
 RECORDS_ROUTE = "/zerokl/records"
 GENERATE_ROUTE = "/inference/v1/generate"
 SYNC_ROUTES = ("/pause", "/resume", "/is_paused", "/init_weight_transfer_engine", "/start_weight_update",
-               "/update_weights", "/finish_weight_update", "/weight_info", "/get_world_size")
+               "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_info",
+               "/get_world_size")
 ZEROKL_ROUTES = (WEIGHTS_ROUTE, ABORT_ROUTE, RECORDS_START_ROUTE, RECORDS_ROUTE)
 VERSIONED_ROUTES = (GENERATE_ROUTE, "/v1/completions", "/v1/chat/completions")
 # every route the development mode mounts, read off vLLM's routers (a route a later vLLM adds is refused too)

@@ -95,7 +95,6 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"rollout_servers": "[http://h:1]", "num_rollout_servers": "2"}, "give rollout_servers (running servers) or"),
     ({"num_rollout_servers": "-1"}, "num_rollout_servers must be >= 0"),
     ({"sync": "torch_distributed"}, "sync torch_distributed reaches rollout servers"),
-    ({"num_rollout_servers": "2", "lora": "true"}, "lora with rollout servers is not supported"),
     ({"data_parallel": "shard"}, "data_parallel is only read with backend: deepspeed"),
     ({"backend": "deepspeed", "data_parallel": "both"}, "data_parallel must be one of replicate, shard"),
     ({"backend": "deepspeed", "data_parallel": "shard"}, "data_parallel: shard needs several processes"),

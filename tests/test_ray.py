@@ -1,44 +1,88 @@
-"""`zerokl ppo --ray auto` on a local Ray cluster started here (`ray.init(num_cpus=2)`): one rollout server and the
-trainer as Ray actors in one placement group (k3-tiny-mxfp4, `sync: torch_distributed` from the trainer actor into
-the server's worker over the node's address); every step's log-probs, raw log-probs and expert choices bitwise the
-trainer's; the server, the actors and the placement group are gone when the command returns.
+"""`zerokl ppo --ray auto --num-rollout-servers 2` on a local Ray cluster started here (`ray.init(num_cpus=3)`): two
+rollout servers and the trainer as Ray actors in one placement group (k3-tiny-mxfp4, `sync: torch_distributed`: the
+trainer actor broadcasts over the node's address into both servers' workers every step). One server is killed after
+step 0 and the run goes on with the other, its prompts retried there; every step's log-probs, raw log-probs and expert
+choices are bitwise the trainer's; the servers, the actors and the placement group are gone when the command returns.
+(`--num-rollout-servers` without Ray: tests/test_rollout_servers.py.)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import urllib.error
-import urllib.request
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers import PPO_REFERENCE_CONFIG, ppo_config_file
-from zerokl.cli import main
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow  # a Ray cluster, a server and a trainer: scheduled first (conftest.py)
+pytestmark = pytest.mark.slow  # a Ray cluster, two servers and a trainer: scheduled first (conftest.py)
 
-STEPS = 2
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 3
 
 
-def test_ppo_on_a_local_ray_cluster(k3_tiny_mxfp4: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def server_group(url: str) -> int:
+    """The process group of the server listening at `url` (its API process leads it)."""
+    port = int(url.rsplit(":", 1)[1])
+    pid = next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
+               and c.status == psutil.CONN_LISTEN)
+    return os.getpgid(pid)
+
+
+def alive(group: int) -> list[int]:
+    """The processes of `group` still running (zombies, which nothing here reaps, do not count)."""
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == group and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=STEPS,
                              sync="torch_distributed")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    out, log = tmp_path / "run", tmp_path / "console.log"
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    groups: list[int] = []
     try:
-        assert main(["ppo", "--config", str(config), "--out", str(tmp_path / "run"), "--ray", "auto"]) == 0
-        groups = ray.util.placement_group_table()
-        assert groups and all(g["state"] == "REMOVED" for g in groups.values()), groups
+        with log.open("w") as console:
+            proc = subprocess.Popen([str(Path(sys.executable).with_name("zerokl")), "ppo", "--config", str(config),
+                                     "--out", str(out), "--ray", "auto", "--num-rollout-servers", "2"], cwd=REPO,
+                                    stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + 600
+            while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+                assert proc.poll() is None, log.read_text()[-4000:]
+                assert time.time() < deadline, "no step in time"
+                time.sleep(0.5)
+            urls = re.search(r"rollout servers on Ray: (\S+), (\S+)", log.read_text()).groups()
+            groups = [server_group(u) for u in urls]
+            os.killpg(groups[1], signal.SIGKILL)  # the second server dies after step 0
+            assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        placement = ray.util.placement_group_table()
+        assert placement and all(g["state"] == "REMOVED" for g in placement.values()), placement
     finally:
         ray.shutdown()
-    url = re.search(r"rollout servers on Ray: (\S+)", capsys.readouterr().out).group(1)
-    with pytest.raises(urllib.error.URLError):  # the server stopped with the run
-        urllib.request.urlopen(url + "/health", timeout=5)
-    metrics = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not [alive(g) for g in groups if alive(g)]  # the run stopped the server it still had
+    text = log.read_text()
+    assert f"rollout server {urls[1]} failed" in text, text[-3000:]
+    metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(STEPS))
     for m in metrics:
         assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["raw_bitwise_equal_frac"] == 1.0 \
-            and m["routing_agreement"] == 1.0, m
-    assert (tmp_path / "run" / "servers" / "server-0" / "server-0.log").is_file()
+            and m["routing_agreement"] == 1.0 and m["policy_version"] == m["step"], m

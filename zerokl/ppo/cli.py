@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         from zerokl.ppo.on_ray import run_on_ray
 
         _check_nproc(cfg, args.nproc_per_node)
-        return run_on_ray(cfg, out.resolve(), args.resume, args.ray, args.nproc_per_node)
+        return run_on_ray(cfg, out.resolve(), args.resume, args.ray, args.nproc_per_node, train)
     if cfg.num_rollout_servers:
         return _with_servers(cfg, out, args)
     if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
@@ -112,12 +112,14 @@ def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
     """Start `num_rollout_servers` servers on the run's checkpoint, train against them, stop them however the run
     ends (a SIGTERM ends the run as Ctrl-C does)."""
     from rollout.local_servers import local_servers
-    from zerokl.ppo.loop import ENGINE_ARGS, base_checkpoint
+    from zerokl.ppo.loop import ENGINE_ARGS, base_checkpoint, server_lora
 
     _check_nproc(cfg, args.nproc_per_node)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     checkpoint = base_checkpoint(cfg, out)
-    with local_servers(checkpoint, cfg.num_rollout_servers, out / "servers", cfg.kernels, ENGINE_ARGS) as urls:
+    lora = server_lora(cfg, checkpoint, args.resume, out / "served-adapters")
+    with local_servers(checkpoint, cfg.num_rollout_servers, out / "servers", cfg.kernels, ENGINE_ARGS,
+                       lora=lora) as urls:
         if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
             from zerokl.launch import launch
             return launch([*sys.argv[1:], "--num-rollout-servers", "0", "--rollout-servers", ",".join(urls)],

@@ -207,9 +207,6 @@ class PPOConfig:
         if self.sync == "torch_distributed" and not remote:
             raise ConfigError("ppo config: sync torch_distributed reaches rollout servers; the in-process engine "
                               "takes shared_memory or disk (or give rollout_servers / num_rollout_servers)")
-        if remote and self.lora:
-            raise ConfigError("ppo config: lora with rollout servers is not supported: a LoRA run rolls out in "
-                              "process (adapters reach running servers through `zerokl lora push`)")
 
     def _check_lora_keys(self) -> None:
         """The adapter keys: refused without lora, and (but lora_init) with lora_init, whose adapter brings its own;

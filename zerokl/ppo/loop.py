@@ -85,7 +85,7 @@ from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -106,6 +106,9 @@ from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import RewardError, make_task
+
+if TYPE_CHECKING:
+    from rollout.serve import LoraServing
 
 METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "parity_checked_frac", "reward_mean",
                "response_length_mean",
@@ -218,8 +221,8 @@ class PPORun:
             self._load_state(resume)
         elif self.generator is not None:
             self.kept[0] = self._kept_copy(self._export_base())
-        if cfg.rollout_servers:
-            self._align_servers(base)
+        if cfg.rollout_servers:  # a LoRA run's base goes in at version >= 1 (`_start_lora`)
+            self._align_servers(base, self.version if adapter is None else max(self.version, 1))
         if adapter is not None:
             self._start_lora(adapter)
 
@@ -232,21 +235,24 @@ class PPORun:
     def _after_sync(self, bundle: WeightBundle, result: SyncResult) -> None:
         self.last_sync = result
 
-    def _align_servers(self, checkpoint: Path) -> None:
-        """Rollout servers: before the first step they serve this run's weights at its version (checked by checksum);
-        servers behind it (started on the checkpoint for a resumed run, or restarted) get them by a sync. Collective:
-        every rank exports, rank 0 checks and syncs, and tells the others the outcome."""
-        bundle = WeightBundle.make(self.version, self._export_base())
+    def _align_servers(self, checkpoint: Path, version: int) -> None:
+        """Rollout servers: before the first step they serve this run's (base) weights at `version` (checked by
+        checksum); servers behind it (started on the checkpoint for a resumed run, or restarted) get them by a sync
+        (a LoRA run's `full_sync`). Collective: every rank exports, rank 0 checks and syncs, and tells the others the
+        outcome."""
+        bundle = WeightBundle.make(version, self._export_base())
         error = None
         if self.rank0:
             held, expected = self.engine.version, weights_checksum(bundle.checksums)
             try:
-                if held < self.version:
-                    self.log(f"rollout servers at version {held}: syncing the run's version {self.version}")
+                if held < version:
+                    self.log(f"rollout servers at version {held}: syncing the run's version {version}")
                     self.sync(bundle)
-                elif held > self.version or any(c != expected for c in self.engine.checksums.values()):
+                    if self.cfg.lora:  # LoRA runs report one full-weight sync beside their adapter syncs
+                        self.full_sync = self.last_sync
+                elif held > version or any(c != expected for c in self.engine.checksums.values()):
                     error = (f"the rollout servers serve version {held} of other weights than this run's version "
-                             f"{self.version}; start them on the run's checkpoint (`zerokl serve --checkpoint "
+                             f"{version}; start them on the run's checkpoint (`zerokl serve --checkpoint "
                              f"{checkpoint}`), or restart them to resume")
             except SyncError as e:
                 error = f"the rollout servers could not take the run's weights: {e}"
@@ -259,17 +265,20 @@ class PPORun:
         policy adapter; a fresh run is then at version 1. Collective: every rank exports, rank 0 syncs."""
         from lora.adapter import save_adapter
 
-        base = self._export_base()
+        remote = bool(self.cfg.rollout_servers)  # the servers' base is in place (`_align_servers`)
+        base = {} if remote else self._export_base()
         self.version = max(self.version, 1)
         if not self.rank0:
             return
-        self.sync(WeightBundle.make(self.version, base))
-        self.full_sync = self.last_sync
+        if not remote:
+            self.sync(WeightBundle.make(self.version, base))
+            self.full_sync = self.last_sync
         directory = self.out / "adapter-start"
         shutil.rmtree(directory, ignore_errors=True)
         self.engine.set_policy_adapter("policy", save_adapter(adapter, directory))
-        self.log(f"LoRA: {len(adapter.weights)} adapted projections, rank {adapter_rank(adapter)}; full-weight "
-                 f"sync {self.full_sync.nbytes / 1e6:.1f} MB in {self.full_sync.seconds:.2f} s")
+        full = "" if self.full_sync is None else \
+            f"; full-weight sync {self.full_sync.nbytes / 1e6:.1f} MB in {self.full_sync.seconds:.2f} s"
+        self.log(f"LoRA: {len(adapter.weights)} adapted projections, rank {adapter_rank(adapter)}{full}")
 
     def _export_base(self) -> dict[str, torch.Tensor]:
         """The trainer's text weights as the engine holds them (`parity.weights.serving_weights` of the fp32 masters:
@@ -808,6 +817,20 @@ def initial_adapter(cfg: PPOConfig, checkpoint: Path, resume: Path | None) -> Ad
 
 def adapter_rank(adapter: Adapter) -> int:
     return max(adapter.spec.rank(m) for m in adapter.weights)
+
+
+def server_lora(cfg: PPOConfig, checkpoint: Path, resume: str | None, root: Path) -> LoraServing | None:
+    """How the rollout servers a LoRA run starts serve its adapter (None for a full-weight run): from `root`, two
+    adapters at a time (a push loads the new version before it unloads the old), the run's adapter rank."""
+    from rollout.engine import lora_engine_args
+    from rollout.serve import LoraServing
+
+    if not cfg.lora:
+        return None
+    rank = adapter_rank(initial_adapter(cfg, checkpoint, resume_point(Path(resume)) if resume else None))
+    args = lora_engine_args(rank, max_loras=2)
+    root.mkdir(parents=True, exist_ok=True)
+    return LoraServing(root, args["max_loras"], args["max_lora_rank"])
 
 
 def load_checkpoint_config_eos(ckpt: Path) -> int:

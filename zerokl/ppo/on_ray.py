@@ -15,10 +15,14 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from parity.config import ConfigError
 from zerokl.ppo.config import PPOConfig
+
+if TYPE_CHECKING:
+    from rollout.serve import LoraServing
 
 READY_TIMEOUT_S = 300.0  # for the placement group's resources
 
@@ -26,12 +30,13 @@ READY_TIMEOUT_S = 300.0  # for the placement group's resources
 class RolloutServerActor:
     """A `zerokl serve` server on this actor's node, for as long as the actor lives."""
 
-    def __init__(self, checkpoint: str, kernels: str, engine_args: dict[str, Any], log_dir: str):
+    def __init__(self, checkpoint: str, kernels: str, engine_args: dict[str, Any], log_dir: str,
+                 lora: LoraServing | None):
         import ray
 
         from rollout.local_servers import LocalServers
 
-        self.servers = LocalServers(checkpoint, 1, Path(log_dir), kernels, engine_args, host="0.0.0.0")
+        self.servers = LocalServers(checkpoint, 1, Path(log_dir), kernels, engine_args, host="0.0.0.0", lora=lora)
         self.address = self.servers.urls[0].replace("127.0.0.1", ray.util.get_node_ip_address())
 
     def url(self) -> str:
@@ -52,23 +57,24 @@ class TrainerActor:
 
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
-    def run(self, cfg: PPOConfig, out: str, resume: str | None, env: dict[str, str]) -> int:
-        from zerokl.ppo.cli import train
-
+    def run(self, train: Callable[[PPOConfig, Path, str | None], int], cfg: PPOConfig, out: str, resume: str | None,
+            env: dict[str, str]) -> int:
+        """`train(cfg, out, resume)` (`zerokl.ppo.cli.train`, sent by reference) with this rank's environment."""
         os.environ.update(env)
         return train(cfg, Path(out), resume)
 
 
-def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, ranks: int) -> int:
+def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, ranks: int,
+               train: Callable[[PPOConfig, Path, str | None], int]) -> int:
     """The run on the cluster at `address` ("auto": the one this machine belongs to; a Ray session already started
-    in this process is used as it is); rank 0's exit code."""
+    in this process is used as it is), each trainer rank running `train`; rank 0's exit code."""
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'zerokl[ray]'") from None
-    from zerokl.ppo.loop import ENGINE_ARGS, base_checkpoint
+    from zerokl.ppo.loop import ENGINE_ARGS, base_checkpoint, server_lora
 
     if cfg.rollout_servers:
         raise ConfigError("--ray starts its own rollout servers (--num-rollout-servers N); drop rollout_servers")
@@ -78,6 +84,7 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     unit = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
     checkpoint = base_checkpoint(cfg, out)
+    lora = server_lora(cfg, checkpoint, resume, out / "served-adapters")
     group = placement_group([unit] * (servers + ranks), strategy="PACK")
     rollout: list[Any] = []
     trainers: list[Any] = []
@@ -92,7 +99,7 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
                                            num_gpus=unit.get("GPU", 0)).remote(**kw)
 
         rollout += [place(RolloutServerActor, k, checkpoint=str(checkpoint), kernels=cfg.kernels,
-                          engine_args=dict(ENGINE_ARGS), log_dir=str(out / "servers" / f"server-{k}"))
+                          engine_args=dict(ENGINE_ARGS), log_dir=str(out / "servers" / f"server-{k}"), lora=lora)
                     for k in range(servers)]
         urls = ray.get([a.url.remote() for a in rollout])
         print(f"rollout servers on Ray: {', '.join(urls)}", flush=True)
@@ -103,9 +110,8 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
             env = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": host,
                    "MASTER_PORT": str(port)}
         run = replace(cfg, rollout_servers=list(urls), num_rollout_servers=0)
-        codes = ray.get([t.run.remote(run, str(out), resume, {**env, **({"RANK": str(r), "LOCAL_RANK": str(r)}
-                                                                         if ranks > 1 else {})})
-                         for r, t in enumerate(trainers)])
+        ranked = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} if ranks > 1 else {} for r in range(ranks)]
+        codes = ray.get([t.run.remote(train, run, str(out), resume, e) for t, e in zip(trainers, ranked)])
         return codes[0] if codes[0] else next((c for c in codes if c), 0)
     finally:
         for actor in rollout:
