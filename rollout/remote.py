@@ -133,13 +133,6 @@ class RemoteRollout:
     def policy_version(self) -> int:
         return self.version
 
-    def check_serving(self, checksum: str) -> None:
-        """RolloutError unless every server serves the weights whose `weights_checksum` is `checksum`."""
-        wrong = [u for u, c in self.checksums.items() if c != checksum]
-        if wrong:
-            raise RolloutError(f"rollout servers {', '.join(wrong)} serve other weights than the trainer's version "
-                               f"{self.version} (checksum mismatch): start them on the run's checkpoint")
-
     # --- generation -------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
