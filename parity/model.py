@@ -41,7 +41,8 @@ from parity.kernels.dsa import top_positions
 from parity.kernels.linear import LoRA, k_segments
 from parity.kernels.logprobs import Sampling
 from parity.kernels.moe import experts_combine
-from parity.kernels.primitives import tree_sum, wide
+from parity.kernels.norms import layernorm_invariant
+from parity.kernels.primitives import wide
 from parity.quant import fp8, mxfp4
 from parity.quant.mxfp4 import MXFP4Weight
 from parity.quant.bf16 import holds_bf16_values, mark_bf16_valued
@@ -396,11 +397,8 @@ class K3Forward:
     def _index_keys(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """x [B, T, D] -> one index key per token [B, T, index_head_dim]: LayerNorm(wk x) (fp32 statistics, the
         affine in fp32, rounded once), as the FP8 index-key cache holds it (`fp8.round_trip_scaled`)."""
-        k = wide(self._lin(x, f"{p}.indexer.wk.weight"))
-        centered = k - tree_sum(k).unsqueeze(-1) / k.shape[-1]
-        var = tree_sum(centered * centered) / k.shape[-1]
-        normed = centered * torch.rsqrt(var + INDEX_NORM_EPS).unsqueeze(-1)
-        out = normed * wide(self.weight(f"{p}.indexer.k_norm.weight")) + wide(self.weight(f"{p}.indexer.k_norm.bias"))
+        out = layernorm_invariant(self._lin(x, f"{p}.indexer.wk.weight"), self.weight(f"{p}.indexer.k_norm.weight"),
+                                  self.weight(f"{p}.indexer.k_norm.bias"), INDEX_NORM_EPS)
         return fp8.round_trip_scaled(out.to(x.dtype))
 
     def index_scores(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
@@ -445,11 +443,15 @@ class K3Forward:
         return mixed if out_norm is None else self._norm(mixed, out_norm)
 
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
-               caches: list[KDACache | MLACache], capture: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+               caches: list[KDACache | MLACache], capture: dict[str, torch.Tensor] | None = None,
+               embeds: torch.Tensor | None = None) -> torch.Tensor:
         """ids, pos: [B, T] (right-padded; padded positions may hold anything >= 0), lens: [B]
-        -> final hidden state before the final norm: [B, T, D] in `self.dtype`. `capture` receives each block's output."""
+        -> final hidden state before the final norm: [B, T, D] in `self.dtype`. `capture` receives each block's output.
+        `embeds` [B, T, D]: the input rows to use instead of `embed(ids)` (a prompt's image rows merged in,
+        `parity.vision.ImageRows`)."""
         c = self.cfg
-        x = self.embed(ids).to(self.dtype)  # an engine's own embedding (vocab-parallel) may hold fp32 masters
+        x = self.embed(ids) if embeds is None else embeds
+        x = x.to(self.dtype)  # an engine's own embedding (vocab-parallel) may hold fp32 masters
         if capture is not None:
             capture["embed"] = x
         use_res = c.attn_res_block_size is not None

@@ -35,7 +35,8 @@ import torch
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
 from rollout import records
-from rollout.sampling import RolloutError, Sample, check_sampling, prompt_seeds, root_message, sample_seed
+from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
+                              sample_seed)
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
 from parity.sync.bundle import Message, SyncError, Transport, WeightBundle, verify
 from parity.sync.transports import SharedMemory
@@ -56,12 +57,14 @@ class RolloutEngine:
 
     kernels: "invariant" (parity mode), "triton" (parity mode on the Triton kernels) or "fast" (plain torch ops: the
     negative control).
+    vision: serve the checkpoint's vision tower (prompts may carry images, `ImagePrompt`); default: when it has one.
     engine_args: further `vllm.LLM` arguments (max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, prefix_match_unit (prefix hits inside a cache block), num_gpu_blocks_override,
     max_model_len, ...).
     """
 
-    def __init__(self, checkpoint: str | Path, kernels: str = "invariant", **engine_args: Any):
+    def __init__(self, checkpoint: str | Path, kernels: str = "invariant", vision: bool | None = None,
+                 **engine_args: Any):
         fixed = sorted(set(engine_args) & set(_FIXED_ARGS))
         if fixed:
             raise RolloutError(f"RolloutEngine sets {', '.join(fixed)} itself (parity depends on them)")
@@ -69,7 +72,10 @@ class RolloutEngine:
 
         self.kernels = kernels
         model_cfg = load_model_config(checkpoint)
-        overrides = hf_overrides(kernels, model_cfg.model_type)
+        if vision and model_cfg.vision is None:
+            raise RolloutError(f"{checkpoint} has no vision tower (no vision_config): it takes no images")
+        self.vision = model_cfg.vision is not None if vision is None else vision
+        overrides = hf_overrides(kernels, model_cfg.model_type, self.vision)
         with _engine_core_in_process():
             self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,
                            logprobs_mode="processed_logprobs", enforce_eager=True,
@@ -86,14 +92,15 @@ class RolloutEngine:
     def policy_version(self) -> int:
         return int(self.llm.llm_engine.get_weight_version())
 
-    def generate(self, prompts: Sequence[Sequence[int] | str], n: int = 1, temperature: float = 1.0,
+    def generate(self, prompts: Sequence[Sequence[int] | str | ImagePrompt], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
                  lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  record: bool = False) -> list[Sample]:
         """`n` samples per prompt, prompt-major (sample j of prompt i is entry i * n + j).
 
-        prompts: token id lists or text (tokenized by the checkpoint's tokenizer).
+        prompts: token id lists, text (tokenized by the checkpoint's tokenizer) or `ImagePrompt`s (an engine serving
+        its vision tower).
         seed: one seed for the call (prompt i gets `sample_seed(seed, i)`) or one seed per prompt.
         top_p / top_k / min_p: truncation (`parity.kernels.logprobs.Sampling`); the log-probs are under the truncated
         distribution (vLLM's processed log-probs), which the trainer recomputes with `Sampling`.
@@ -110,7 +117,7 @@ class RolloutEngine:
         truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}
         requests, params, adapters = [], [], []
         for prompt, s, adapter in zip(prompts, seeds, loras):
-            request = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+            request = self._request(prompt)
             for j in range(n):
                 requests.append(request)
                 adapters.append(adapter)
@@ -235,6 +242,16 @@ class RolloutEngine:
         self.close()
 
     # --- helpers --------------------------------------------------------------------------------
+    def _request(self, prompt: Sequence[int] | str | ImagePrompt) -> dict[str, Any]:
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        if not isinstance(prompt, ImagePrompt):
+            return {"prompt_token_ids": list(prompt)}
+        if not self.vision:
+            raise RolloutError("a prompt with images needs a K3 checkpoint with a vision tower (vision_config), served "
+                               "with it (vision=True)")
+        return {"prompt_token_ids": list(prompt.token_ids), "multi_modal_data": {"image": list(prompt.images)}}
+
     @staticmethod
     def _prompt_loras(prompts: Sequence[Sequence[int] | str],
                       lora: LoRARequest | Sequence[LoRARequest | None] | None) -> list[LoRARequest | None]:

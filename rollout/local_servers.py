@@ -60,7 +60,7 @@ class LocalServers:
             for k in range(count):
                 port = free_port(host)
                 argv = serve_argv(checkpoint, kernels, host, port, engine_flags(engine_args or {}),
-                                  cfg.model_type, cfg.text.torch_dtype, lora)
+                                  cfg.model_type, cfg.text.torch_dtype, lora, cfg.vision is not None)
                 with self.logs[k].open("w") as out:
                     self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                                        env={**os.environ, **serve_env(lora)}, start_new_session=True))

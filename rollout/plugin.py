@@ -19,14 +19,16 @@ from __future__ import annotations
 from typing import Any
 
 ARCH = "ZeroKLK3ForCausalLM"
+VISION_ARCH = "ZeroKLK3ForConditionalGeneration"  # K3 with its vision tower (`rollout.vllm_vision`)
 TEXT_MODEL_TYPE = "zerokl_k3_text"
 KERNELS_KEY = "zerokl_kernels"
 WEIGHT_BACKEND = "zerokl"
 
 
-def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3") -> dict[str, Any]:
+def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3", vision: bool = False) -> dict[str, Any]:
     """The `hf_overrides` that serve an official checkpoint of `model_type` ("kimi_k3" or "kimi_linear", the
-    checkpoint's `config.json` model_type) with zerokl's model on `kernels`."""
+    checkpoint's `config.json` model_type) with zerokl's model on `kernels`; `vision`: a K3 checkpoint served with
+    its vision tower (images in prompts)."""
     from parity.kernels import get_kernels
 
     get_kernels(kernels)  # fail here, in the caller's process, on an unknown kernel set name
@@ -36,7 +38,9 @@ def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3") -> dic
         text = {"model_type": TEXT_MODEL_TYPE}
     else:
         raise ValueError(f"zerokl serves model_type kimi_k3 or kimi_linear checkpoints, got {model_type!r}")
-    return {"architectures": [ARCH], **text, KERNELS_KEY: kernels}
+    if vision and model_type != "kimi_k3":
+        raise ValueError("images need a kimi_k3 checkpoint with a vision_config")
+    return {"architectures": [VISION_ARCH if vision else ARCH], **text, KERNELS_KEY: kernels}
 
 
 def register() -> None:
@@ -46,6 +50,8 @@ def register() -> None:
 
     if ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCH, "rollout.vllm_model:ZeroKLK3ForCausalLM")
+    if VISION_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(VISION_ARCH, "rollout.vllm_vision:ZeroKLK3ForConditionalGeneration")
     try:
         WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "rollout.weight_transfer",
                                                     "ZeroKLWeightTransferEngine")

@@ -9,6 +9,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,6 +37,16 @@ class Sample:
     routing: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images: token ids holding one image placeholder token (`<|kimi_image_placeholder|>`) per image,
+    where the image goes, and the RGB images (`PIL.Image.Image`, `parity.image.to_rgb`) in order. The engine expands
+    each placeholder into the image's tokens; a sample's `prompt_ids` are the expanded ids."""
+
+    token_ids: list[int]
+    images: tuple[Any, ...]
+
+
 def sample_seed(seed: int, index: int) -> int:
     """The vLLM request seed of sample `index` of a prompt whose seed is `seed` (63-bit, well mixed)."""
     digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
@@ -57,7 +68,7 @@ def check_sampling(n: int, temperature: float, max_tokens: int, top_p: float | N
         raise RolloutError(str(e)) from None
 
 
-def prompt_seeds(prompts: Sequence[Sequence[int] | str], seed: int | Sequence[int]) -> list[int]:
+def prompt_seeds(prompts: Sequence[Sequence[int] | str | ImagePrompt], seed: int | Sequence[int]) -> list[int]:
     """One seed per prompt: `sample_seed(seed, i)` for prompt i of a call seeded `seed`, or the given list."""
     if not prompts:
         raise RolloutError("no prompts given")

@@ -55,14 +55,15 @@ class LoraServing:
 
 def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "127.0.0.1", port: int = 8000,
                vllm_args: Sequence[str] = (), model_type: str = "kimi_k3", dtype: str = "bfloat16",
-               lora: LoraServing | None = None) -> list[str]:
-    """The server command line (argv[0] is this Python); `model_type` ("kimi_k3" or "kimi_linear") and `dtype` (its
-    torch_dtype, the compute dtype) are the checkpoint's: `run` reads them from it."""
+               lora: LoraServing | None = None, vision: bool = False) -> list[str]:
+    """The server command line (argv[0] is this Python); `model_type` ("kimi_k3" or "kimi_linear"), `dtype` (its
+    torch_dtype, the compute dtype) and `vision` (it has a vision tower: requests may carry images) are the
+    checkpoint's: `run` reads them from it."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(checkpoint),
         "--dtype", dtype,
-        "--hf-overrides", json.dumps(hf_overrides(kernels, model_type)),
+        "--hf-overrides", json.dumps(hf_overrides(kernels, model_type, vision)),
         "--logprobs-mode", "processed_logprobs",
         "--enforce-eager",
         "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
@@ -121,5 +122,5 @@ def run(args: argparse.Namespace) -> int:
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     cfg = load_model_config(args.checkpoint)
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,
-                      lora)
+                      lora, cfg.vision is not None)
     os.execve(argv[0], argv, {**os.environ, **serve_env(lora)})

@@ -144,8 +144,10 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: object = None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
-        """Flat step tokens [N] -> hidden states before the final norm [N, D] in the compute dtype (zeros on padding)."""
-        if inputs_embeds is not None:
+        """Flat step tokens [N] -> hidden states before the final norm [N, D] in the compute dtype (zeros on padding).
+        `inputs_embeds` [N, D]: the step's input rows, image rows merged in (the multimodal subclass,
+        `rollout.vllm_vision`, which also receives the ids)."""
+        if inputs_embeds is not None and not getattr(self, "supports_multimodal", False):
             raise ModelSetupError("zerokl's K3 takes token ids; prompt embeddings are not supported")
         out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=self.cfg.compute_dtype)
         metadata = get_forward_context().attn_metadata
@@ -163,7 +165,8 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             for lora_id in ids.unique().tolist():
                 part = group.subset(ids == lora_id)
                 with record_routing() if routing is not None else nullcontext() as recorded:
-                    self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out)
+                    self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out,
+                              inputs_embeds)
                 if routing is not None:  # [B, T, k] per MoE layer -> the group's flat tokens
                     routing[part.token_index[part.valid]] = torch.stack(recorded, dim=2)[part.valid].int()
         if routing is not None:
@@ -171,12 +174,13 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         return out
 
     def _run(self, fwd: K3Forward, group: StepGroup, input_ids: torch.Tensor, positions: torch.Tensor,
-             metadata: dict[str, Any], out: torch.Tensor) -> None:
+             metadata: dict[str, Any], out: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> None:
         """One group's rows through `fwd`, reading and writing their caches; fills their rows of `out`."""
         layers = list(self.cache_layers)
         caches = [layer.read(metadata[layer.prefix], group) if isinstance(layer, KDAStateLayer)
                   else layer.view(metadata[layer.prefix], group) for layer in layers]
-        hidden = fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches)
+        embeds = None if inputs_embeds is None else group.gather(inputs_embeds)
+        hidden = fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches, embeds=embeds)
         for layer, cache in zip(layers, caches):
             if isinstance(cache, KDACache):
                 layer.write(metadata[layer.prefix], group, cache)

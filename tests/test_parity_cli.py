@@ -123,3 +123,90 @@ def test_selftest_detects_and_localises(checker: Checker) -> None:
     assert all(t.diagnosed_block == t.expected_block for t in trials), trials
     # the engine is back on the checkpoint's weights: parity holds again
     assert checker.check(task_prompts(4, 2, checker.tokenizer), mix="random", max_tokens=8).report.all_equal
+
+
+# --- image prompts (the checkpoint's vision tower in both engines) ------------------------------------------------
+
+
+def _picture(w: int, h: int, seed: int, mode: str = "RGB") -> "Image.Image":
+    """Coloured squares on a background (a picture, not noise), in `mode`."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    im = Image.new("RGB", (w, h), tuple(rng.randrange(256) for _ in range(3)))
+    draw = ImageDraw.Draw(im)
+    for _ in range(3):
+        x, y, s = rng.randrange(w), rng.randrange(h), rng.randrange(2, max(3, min(w, h) // 2))
+        draw.rectangle([x, y, x + s, y + s], fill=tuple(rng.randrange(256) for _ in range(3)))
+    return im.convert(mode)
+
+
+def _image_prompts_file(root: Path) -> Path:
+    """Text prompts and image prompts (one image, two images at their placeholders, an RGBA and a palette image,
+    odd sizes, one larger than the tower's grid and scaled down) with paths relative to the file."""
+    pics = {"a.png": _picture(60, 40, 1), "b.png": _picture(30, 100, 2, "RGBA"), "c.png": _picture(300, 200, 3),
+            "d.gif": _picture(20, 21, 4, "P")}
+    (root / "imgs").mkdir()
+    for name, im in pics.items():
+        im.save(root / "imgs" / name)
+    rows = [{"prompt": "What is 12 + 30? Answer:"},
+            {"prompt": "What is in the picture? Answer:", "images": ["imgs/a.png"]},
+            {"prompt": "Compare <|kimi_image_placeholder|> and <|kimi_image_placeholder|>.",
+             "images": ["imgs/b.png", "imgs/c.png"]},
+            {"prompt_token_ids": [3, 40, 41, 42], "images": ["imgs/d.gif"]},
+            {"prompt": "Reverse the string kimi. Answer:"}]
+    path = root / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_image_prompts_keep_the_bits_and_the_image_is_used(checker: Checker, tmp_path: Path) -> None:
+    """Image prompts mixed with text ones, batched and alone: every log-prob the trainer's (its image rows from the same
+    tower, the same preprocessing); another image in the same prompt changes the log-probs; the same image in a
+    second request is served from the prefix cache with the same bits."""
+    import torch
+
+    from rollout.sampling import ImagePrompt
+    from zerokl.engine_check import load_prompts
+
+    prompts = load_prompts(_image_prompts_file(tmp_path), checker.tokenizer, checker.cfg.text.vocab_size, 1000,
+                           checker.path)
+    assert [len(p.images) if isinstance(p, ImagePrompt) else 0 for p in prompts] == [0, 1, 2, 1, 0]
+    res = checker.check(prompts, mix="both", max_tokens=8, seed=5)
+    assert res.report.tokens == 2 * 5 * 8 and res.report.all_equal and res.mix_mismatch == 0, res.report
+    pad = checker.cfg.raw["media_placeholder_token_id"]
+    assert all(s.prompt_token_ids.count(pad) >= 1 for s in res.rollout[1:4])  # expanded by vLLM's K3 processor
+    other = ImagePrompt(prompts[1].token_ids, (_picture(60, 40, 9),))
+    first, swapped = checker.engine.generate([prompts[1], other], max_tokens=8, seed=[11, 11])
+    assert len(first.prompt_ids) == len(swapped.prompt_ids) and not torch.equal(first.logprobs, swapped.logprobs)
+    again = checker.engine.generate([prompts[1]], max_tokens=8, seed=[11])[0]
+    assert again.cached_tokens >= 16 and again.completion_ids == first.completion_ids
+    assert torch.equal(again.logprobs, first.logprobs)
+    assert torch.equal(checker.score([again], 1.0, [prompts[1]])[0], again.logprobs)
+
+
+def test_cli_image_prompt_errors(ckpt: Path, kimi_linear_tiny: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Each bad image prompt: one `zerokl: error:` line naming the file and line, exit 2, before any engine starts."""
+    import numpy as np
+    from PIL import Image
+
+    _picture(40, 40, 1).save(tmp_path / "ok.png")
+    Image.fromarray(np.zeros((20, 20), dtype=np.uint16)).save(tmp_path / "deep.png")  # mode I;16
+    (tmp_path / "junk.png").write_text("not an image")
+    cases = [({"prompt": "hi", "images": ["nope.png"]}, "no such image file", ckpt),
+             ({"prompt": "hi", "images": ["junk.png"]}, "not a readable image", ckpt),
+             ({"prompt": "hi", "images": ["deep.png"]}, "is not an 8-bit image mode", ckpt),
+             ({"prompt": "a <|kimi_image_placeholder|> b", "images": ["ok.png", "ok.png"]},
+              "holds 1 <|kimi_image_placeholder|> tokens for 2 images", ckpt),
+             ({"prompt": "hi", "images": ["ok.png"] * 3}, "with its 3 images the prompt has", ckpt),
+             ({"prompt": "hi", "images": "ok.png"}, "'images' must be a non-empty list", ckpt),
+             ({"prompt": "hi", "images": ["ok.png"]}, "the checkpoint has no vision tower", kimi_linear_tiny)]
+    for row, message, model in cases:
+        (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+        rc = main(["parity", "check", "--model", str(model), "--prompts", str(tmp_path / "p.jsonl"),
+                   "--max-tokens", "990"])
+        err = capsys.readouterr().err
+        assert rc == 2 and message in err and f"{tmp_path / 'p.jsonl'}:1" in err and "Traceback" not in err, err

@@ -22,22 +22,26 @@ import torch.nn.functional as F
 
 from parity.kernels.logprobs import Sampling, processed_logits
 from parity.model import K3Forward, new_cache
+from parity.vision import ImageRows
 
 
 @dataclass(frozen=True)
 class PaddedBatch:
-    """input_ids: [B, T] int64, right-padded; lens: [B] int64 (each >= 1)."""
+    """input_ids: [B, T] int64, right-padded; lens: [B] int64 (each >= 1); images: each row's image embeddings, which
+    fill its image placeholder rows (None: text only)."""
 
     input_ids: torch.Tensor
     lens: torch.Tensor
+    images: ImageRows | None = None
 
     @classmethod
-    def from_sequences(cls, seqs: Sequence[Sequence[int]], pad_id: int = 0) -> PaddedBatch:
+    def from_sequences(cls, seqs: Sequence[Sequence[int]], pad_id: int = 0,
+                       images: ImageRows | None = None) -> PaddedBatch:
         lens = torch.tensor([len(s) for s in seqs])
         ids = torch.full((len(seqs), int(lens.max())), pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        return cls(ids, lens)
+        return cls(ids, lens, images)
 
     def mask(self) -> torch.Tensor:
         """[B, T] bool: positions holding a token."""
@@ -61,7 +65,7 @@ class PackedBatch:
 
 def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float | Sampling,
                     entropy: bool = False, value_head: torch.Tensor | None = None,
-                    raw: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                    raw: bool = False, images: ImageRows | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """One forward over right-padded rows -> lp: [B, T] (next-token aligned, zeros past each row's last
     scored token). Same calls as `parity.model.score_sequences`, so the same bits. With `raw`, also the raw
     log-probs (temperature 1, no truncation: vLLM's `raw_logprobs`) from the same logits, aligned and zeroed alike.
@@ -71,10 +75,12 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     then a bias), also the values: w . final_norm(hidden) / D + bias at each position, the value before the token it
     predicts (D = hidden size: a mean-field readout, so an Adam step of size lr on w moves a value by about lr, as one
     on the bias does, whatever D), aligned and zeroed alike, fp32, computed beside the logits (their bits are
-    untouched). Returns lp, or (lp, [raw,] [entropy,] [values])."""
+    untouched). With `images`, each row's image placeholder rows take its images' embeddings (as in the engine).
+    Returns lp, or (lp, [raw,] [entropy,] [values])."""
     b, t = input_ids.shape
     pos = torch.arange(t).expand(b, t).clamp(max=(lens - 1).clamp(min=0).view(b, 1))
-    hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype))
+    embeds = None if images is None else images.merge(fwd.embed(input_ids), input_ids)
+    hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype), embeds=embeds)
     logits = fwd.logits(hidden[:, :-1])
     lp = fwd.token_logprobs(logits, input_ids[:, 1:], temperature)  # [B, T-1]
     scored = torch.arange(t - 1).view(1, -1) < (lens - 1).view(-1, 1)
@@ -107,6 +113,8 @@ def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch,
     if isinstance(batch, PackedBatch):
         padded = batch.to_padded()
         return model(padded.input_ids, padded.lens, temperature)[padded.mask()]
+    if batch.images is not None:
+        return model(batch.input_ids, batch.lens, temperature, images=batch.images)
     return model(batch.input_ids, batch.lens, temperature)
 
 

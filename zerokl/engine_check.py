@@ -24,6 +24,7 @@ from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.io.checkpoint import load_checkpoint
 from trainer.backend import DEFAULT_ZERO_STAGE
+from rollout.sampling import ImagePrompt
 from zerokl.tasks import make_task
 
 ENGINE_ARGS = {"max_model_len": 1024, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
@@ -39,20 +40,69 @@ class CheckResult:
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+IMAGES_KEY = "images"
 
 
-def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_len: int) -> list[list[int]]:
+def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_len: int,
+                 checkpoint: str | Path | None = None) -> list[list[int] | ImagePrompt]:
     """JSONL, one object per line with exactly one of {"prompt": non-empty text} or {"prompt_token_ids": [ids]}: ids
-    are ints in [0, vocab_size), at most `max_prompt_len` tokens either way. Every line is checked before anything
-    runs; the first bad one fails with the file, the line and the reason (`DumpError`). Blank lines are skipped."""
+    are ints in [0, vocab_size), at most `max_prompt_len` tokens either way; optionally "images": [paths, relative to
+    the file] (a K3 `checkpoint` with a vision tower), placed at the prompt's `<|kimi_image_placeholder|>` tokens (one
+    per image) or, with none, before the text; the prompt with its images expanded must fit `max_prompt_len`. Every
+    line is checked (and every image read) before anything runs; the first bad one fails with the file, the line and
+    the reason (`DumpError`). Blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
         raise DumpError(f"--prompts {path}: no such file")
-    prompts = [_prompt_ids(row, f"{path}:{lineno}", tokenizer, vocab_size, max_prompt_len)
-               for lineno, row in jsonl_rows(path)]
+    prompts: list[list[int] | ImagePrompt] = []
+    for lineno, row in jsonl_rows(path):
+        where = f"{path}:{lineno}"
+        images = row.pop(IMAGES_KEY, None) if isinstance(row, dict) else None
+        ids = _prompt_ids(row, where, tokenizer, vocab_size, max_prompt_len)
+        prompts.append(ids if images is None else
+                       _image_prompt(ids, images, where, path.parent, tokenizer, checkpoint, max_prompt_len))
     if not prompts:
         raise DumpError(f"{path}: no prompts")
     return prompts
+
+
+def _image_prompt(ids: list[int], images: Any, where: str, root: Path, tokenizer: Any,
+                  checkpoint: str | Path | None, max_prompt_len: int) -> ImagePrompt:
+    """The prompt's ids with one placeholder per image (added in front when the prompt has none) and its images read;
+    refused when the checkpoint has no vision tower or the expanded prompt does not fit."""
+    from parity.config import load_model_config
+    from parity.image import IMAGE_PLACEHOLDER, ImageError, ImageProcessing, open_image
+
+    if not isinstance(images, list) or not images or not all(isinstance(i, str) and i for i in images):
+        raise DumpError(f"{where}: 'images' must be a non-empty list of image file paths, got {images!r}")
+    if checkpoint is None or load_model_config(checkpoint).vision is None:
+        raise DumpError(f"{where}: the prompt has images, but the checkpoint has no vision tower (no vision_config)")
+    try:
+        pictures = tuple(open_image(root / i) for i in images)
+        processing = ImageProcessing.from_checkpoint(checkpoint)
+    except ImageError as e:
+        raise DumpError(f"{where}: {e}") from None
+    placeholder = tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+    held = ids.count(placeholder)
+    if held == 0:
+        ids = [placeholder] * len(pictures) + ids
+    elif held != len(pictures):
+        raise DumpError(f"{where}: the prompt holds {held} {IMAGE_PLACEHOLDER} tokens for {len(pictures)} images; "
+                        "give one per image, or none (the images then go first)")
+    expanded = len(ids) - len(pictures) + sum(_image_len(tokenizer, processing, p) for p in pictures)
+    if expanded > max_prompt_len:
+        raise DumpError(f"{where}: with its {len(pictures)} images the prompt has {expanded} tokens; at most "
+                        f"{max_prompt_len} fit the engine's context with the completion")
+    return ImagePrompt(ids, pictures)
+
+
+def _image_len(tokenizer: Any, processing: Any, image: Any) -> int:
+    """Tokens one image takes in the engine's prompt: K3's `<|media_begin|>image WxH<|media_content|>`, one
+    `<|media_pad|>` per merged patch, `<|media_end|>` (vLLM's `KimiK3MultiModalProcessor`)."""
+    w, h = image.size
+    frame = tokenizer.encode(f"<|media_begin|>image {w}x{h}<|media_content|><|media_end|>",
+                             add_special_tokens=False).ids
+    return len(frame) + processing.num_tokens(image)
 
 
 def _prompt_ids(row: Any, where: str, tokenizer: Any, vocab_size: int, max_prompt_len: int) -> list[int]:
@@ -61,7 +111,7 @@ def _prompt_ids(row: Any, where: str, tokenizer: Any, vocab_size: int, max_promp
     unknown = sorted(set(row) - set(PROMPT_KEYS))
     if unknown:
         raise DumpError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a prompt line holds 'prompt' or "
-                        "'prompt_token_ids'")
+                        "'prompt_token_ids', and optionally 'images'")
     if len(row) != 1:
         raise DumpError(f"{where}: expected one of 'prompt' or 'prompt_token_ids', got {len(row)}")
     if "prompt" in row:
@@ -113,6 +163,8 @@ class TensorParallelScorer:
         from trainer.megatron import tp_score
         from zerokl.launch import run_ranks
 
+        if batch.images is not None and any(batch.images.rows):
+            raise ConfigError(f"image prompts with --tp {self.tp} are not built: the TP ranks score token ids only")
         with tempfile.TemporaryDirectory(prefix="zerokl-tp-") as tmp:
             torch.save({"input_ids": batch.input_ids, "lens": batch.lens}, Path(tmp) / tp_score.BATCH_FILE)
             cmd = [sys.executable, "-m", "trainer.megatron.tp_score", "--checkpoint", str(self.checkpoint),
@@ -137,7 +189,9 @@ class Checker:
                  lora: str | Path | None = None, backend: str = "megatron", zero_stage: int = DEFAULT_ZERO_STAGE,
                  tp: int = 1):
         """`backend` / `zero_stage`: the trainer (`trainer.backend.build_backend`), in this one process; `tp` > 1:
-        the Megatron trainer at that tensor parallelism on `tp` local ranks (`TensorParallelScorer`)."""
+        the Megatron trainer at that tensor parallelism on `tp` local ranks (`TensorParallelScorer`). A checkpoint with
+        a vision tower takes image prompts (`ImagePrompt`): the engine serves the tower, and the trainer's image rows
+        come from the same tower."""
         from lora.adapter import load_adapter
         from rollout.engine import RolloutEngine, lora_engine_args
         from tokenizers import Tokenizer
@@ -159,10 +213,11 @@ class Checker:
         if self.adapter is not None:
             ranks = [self.adapter.spec.rank(m) for m in self.adapter.weights]
             args.update(lora_engine_args(max(ranks)))
+        self.images = _TrainerImages(self.path, self.cfg, self.tensors, kernels) if self.cfg.vision else None
         self.engine = RolloutEngine(self.path, kernels=kernels, **args)
         self.lora_request = self.engine.load_adapter("adapter", lora) if lora is not None else None
 
-    def rollout(self, prompts: list[list[int]], mix: str, max_tokens: int, temperature: float,
+    def rollout(self, prompts: list[list[int] | ImagePrompt], mix: str, max_tokens: int, temperature: float,
                 seed: int) -> list[Any]:
         """Samples in prompt order; `random` submits them shuffled in one call, `alone` one call each."""
         seeds = [seed * 1_000_003 + i for i in range(len(prompts))]
@@ -179,16 +234,20 @@ class Checker:
             back[i] = out[pos]
         return back
 
-    def score(self, samples: list[Any], temperature: float) -> list[torch.Tensor]:
-        """The trainer's log-probs of each sample's completion tokens (one padded forward, no grad)."""
+    def score(self, samples: list[Any], temperature: float,
+              prompts: list[list[int] | ImagePrompt] | None = None) -> list[torch.Tensor]:
+        """The trainer's log-probs of each sample's completion tokens (one padded forward, no grad); `prompts`: each
+        sample's prompt, whose images fill its image rows."""
         from trainer.logprobs import PaddedBatch
 
-        lp = self.backend.logprobs(PaddedBatch.from_sequences([s.prompt_ids + s.completion_ids for s in samples]),
-                                   temperature)
+        with_images = prompts is not None and any(isinstance(p, ImagePrompt) for p in prompts)
+        rows = self.images.rows(prompts) if with_images and self.images is not None else None
+        lp = self.backend.logprobs(PaddedBatch.from_sequences([s.prompt_ids + s.completion_ids for s in samples],
+                                                              images=rows), temperature)
         return [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.completion_ids)]
                 for i, s in enumerate(samples)]
 
-    def check(self, prompts: list[list[int]], mix: str = "both", max_tokens: int = 32, temperature: float = 1.0,
+    def check(self, prompts: list[list[int] | ImagePrompt], mix: str = "both", max_tokens: int = 32, temperature: float = 1.0,
               seed: int = 0, diagnose_failures: bool = True,
               rollout_weights: dict[str, torch.Tensor] | None = None) -> CheckResult:
         """Compare rollout and trainer log-probs; `rollout_weights` are what the engine holds when they
@@ -200,16 +259,17 @@ class Checker:
             mix_mismatch = sum(a.completion_ids != b.completion_ids or not torch.equal(a.logprobs, b.logprobs)
                                for a, b in zip(runs["random"], runs["alone"]))
         labelled = [(f"{m}-{i}", s) for m, samples in runs.items() for i, s in enumerate(samples)]
-        scored = self.score([s for _, s in labelled], temperature)  # one trainer batch for every mix
+        scored = self.score([s for _, s in labelled], temperature, prompts * len(mixes))  # one batch for every mix
         rollout_seqs, trainer_seqs = [], []
         for (label, s), lp in zip(labelled, scored):
             rollout_seqs.append(SequenceLogprobs(label, s.completion_ids, s.logprobs, s.prompt_ids))
             trainer_seqs.append(SequenceLogprobs(label, s.completion_ids, lp.clone(), s.prompt_ids))
         report = compare(rollout_seqs, trainer_seqs)
         div = None
-        if diagnose_failures and not report.all_equal:
-            first = next(d for d in report.sequences if d.first_mismatch is not None)
-            seq = next(s for s in rollout_seqs if s.id == first.id)
+        text_ids = {f"{m}-{i}" for m in mixes for i, p in enumerate(prompts) if not isinstance(p, ImagePrompt)}
+        failed = [d.id for d in report.sequences if d.first_mismatch is not None and d.id in text_ids]
+        if diagnose_failures and failed:  # the block-by-block replay runs token ids: text prompts only
+            seq = next(s for s in rollout_seqs if s.id == failed[0])
             div = self.diagnose(seq, rollout_weights)
         return CheckResult(report, rollout_seqs, trainer_seqs, div, mix_mismatch)
 
@@ -225,6 +285,33 @@ class Checker:
     def close(self) -> None:
         self.engine.close()
         self.backend.close()
+
+
+class _TrainerImages:
+    """The trainer side's image rows: each prompt's images preprocessed (`parity.image`) and run through the checkpoint's
+    vision tower (frozen) on the check's kernels, once per prompt."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], kernels: str):
+        from parity.image import ImageProcessing
+        from parity.vision import vision_tower
+
+        self.processing = ImageProcessing.from_checkpoint(path)
+        self.tower = vision_tower(cfg, tensors, get_kernels(kernels), self.processing.side_limit)
+        self.token_id = int(cfg.raw["media_placeholder_token_id"])
+        self._done: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def rows(self, prompts: list[list[int] | ImagePrompt]) -> Any:
+        from parity.vision import ImageRows
+
+        return ImageRows(self.token_id, tuple(self._embedded(p) for p in prompts))
+
+    def _embedded(self, prompt: list[int] | ImagePrompt) -> tuple[torch.Tensor, ...]:
+        if not isinstance(prompt, ImagePrompt):
+            return ()
+        if id(prompt) not in self._done:
+            with torch.no_grad():
+                self._done[id(prompt)] = tuple(self.tower(self.processing(im)) for im in prompt.images)
+        return self._done[id(prompt)]
 
 
 def expected_block(cfg: ModelConfig, name: str) -> str:

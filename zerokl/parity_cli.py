@@ -55,7 +55,7 @@ def _zero_stage(args: argparse.Namespace) -> int:
     return DEFAULT_ZERO_STAGE if args.zero_stage is None else args.zero_stage
 
 
-def _prompts(args: argparse.Namespace) -> list[list[int]]:
+def _prompts(args: argparse.Namespace) -> list:
     """The prompts, read and checked before any engine or trainer starts."""
     from tokenizers import Tokenizer
 
@@ -67,13 +67,15 @@ def _prompts(args: argparse.Namespace) -> list[list[int]]:
     tokenizer = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
     if args.prompts:
         return load_prompts(args.prompts, tokenizer, load_model_config(args.model).text.vocab_size,
-                            ENGINE_ARGS["max_model_len"] - args.max_tokens)
+                            ENGINE_ARGS["max_model_len"] - args.max_tokens, args.model)
     return task_prompts(args.num_prompts, args.seed, tokenizer)
 
 
 def _run_check(args: argparse.Namespace) -> int:
     _zero_stage(args)  # refused before any file is read
     prompts = _prompts(args)
+    if getattr(args, "tp", 1) > 1 and any(not isinstance(p, list) for p in prompts):
+        raise ConfigError(f"image prompts with --tp {args.tp} are not built: the TP ranks score token ids only")
     checker = _checker(args, args.lora)
     try:
         res = checker.check(prompts, mix=args.batch_mix, max_tokens=args.max_tokens,
@@ -128,7 +130,8 @@ def _run_kernels(args: argparse.Namespace) -> int:
 def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     p.add_argument("--model", required=True, help="official-format checkpoint directory")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompts", help='JSONL, one {"prompt": text} or {"prompt_token_ids": [...]} per line')
+    src.add_argument("--prompts", help='JSONL, one {"prompt": text} or {"prompt_token_ids": [...]} per line, '
+                     'optionally with "images": [paths relative to the file] (K3 checkpoints with a vision tower)')
     src.add_argument("--num-prompts", type=positive_int, default=num_prompts, help="prompts from the shipped task")
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens)
     p.add_argument("--temperature", type=temperature, default=1.0)

@@ -44,7 +44,20 @@ _DEFAULTS: dict[str, Any] = {
     "patch_embed_proj_bias": False,
     "mlp_type": "mlp2",
     "linear_bias": False,
+    "activation_func": "gelu_pytorch_tanh",
+    "projector_hidden_act": "gelu",
+    "projector_ln_eps": 1e-5,
+    "pos_emb_interpolation_mode": "bilinear",
+    "merge_type": "sd2_tpool",
 }
+# The one value each of these may take: the forward (`parity.vision`) implements exactly it.
+_ONLY = {"pos_emb_type": "divided_fixed", "mlp_type": "mlp2", "activation_func": "gelu_pytorch_tanh",
+         "projector_hidden_act": "gelu", "merge_type": "sd2_tpool"}
+
+
+def vision_settings(vision: VisionConfig) -> dict[str, Any]:
+    """`vision_config` with KimiK3VisionConfig's defaults for absent (or null) keys."""
+    return {**_DEFAULTS, **{k: v for k, v in vision.raw.items() if v is not None}}
 
 
 def _lin(out_f: int, in_f: int) -> WeightSpec:
@@ -78,7 +91,7 @@ def vision_specs(vision: VisionConfig, text_hidden_size: int) -> dict[str, Weigh
     All stored in the model dtype (vLLM casts the tower and projector to it). The projector's output width
     is the text hidden size (vLLM overrides `vision_config.text_hidden_size` with it).
     """
-    cfg = {**_DEFAULTS, **{k: v for k, v in vision.raw.items() if v is not None}}
+    cfg = vision_settings(vision)
     hidden = int(cfg["vt_hidden_size"])
     heads = int(cfg["vt_num_attention_heads"])
     qkv = int(cfg["qkv_hidden_size"])
@@ -89,10 +102,12 @@ def vision_specs(vision: VisionConfig, text_hidden_size: int) -> dict[str, Weigh
     merge = cfg["merge_kernel_size"]
     if len(merge) != 2:
         raise ConfigError(f"vision_config.merge_kernel_size must have 2 entries, got {merge!r}")
-    if cfg["pos_emb_type"] != "divided_fixed":
-        raise ConfigError(f"vision_config.pos_emb_type must be 'divided_fixed', got {cfg['pos_emb_type']!r}")
-    if cfg["mlp_type"] != "mlp2":
-        raise ConfigError(f"vision_config.mlp_type must be 'mlp2', got {cfg['mlp_type']!r}")
+    for key, only in _ONLY.items():
+        if cfg[key] != only:
+            raise ConfigError(f"vision_config.{key} must be {only!r}, got {cfg[key]!r}")
+    if cfg["pos_emb_interpolation_mode"] not in ("bilinear", "bicubic"):
+        raise ConfigError("vision_config.pos_emb_interpolation_mode must be 'bilinear' or 'bicubic', got "
+                          f"{cfg['pos_emb_interpolation_mode']!r}")
     if qkv % heads or (qkv // heads) % 4:
         raise ConfigError(
             f"vision_config.qkv_hidden_size ({qkv}) must split into vt_num_attention_heads ({heads}) heads "

@@ -69,6 +69,15 @@ def gated_rmsnorm_fast(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps
     return (y * torch.sigmoid(wide(gate))).to(x.dtype)
 
 
+def layernorm_invariant(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) * rsqrt(var + eps) * w + b over the last dim, fp32 (`tree_sum` statistics, the affine in fp32); the
+    caller rounds it once. Used outside the kernel sets (the DSA index keys, the vision tower's LayerNorms)."""
+    xf = wide(x)
+    centered = xf - tree_sum(xf).unsqueeze(-1) / xf.shape[-1]
+    var = tree_sum(centered * centered) / xf.shape[-1]
+    return centered * torch.rsqrt(var + eps).unsqueeze(-1) * wide(w) + wide(b)
+
+
 def l2norm_invariant(x: torch.Tensor) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + 1e-6) over the last dim, in fp32, rounded to x's dtype."""
     xf = wide(x)

@@ -37,6 +37,7 @@ from parity.kernels.linear import LoRA
 from parity.model import K3Forward, K3Weights
 from parity.weights import WeightSpec, is_indexer, text_names, text_specs
 from parity.kernels.logprobs import Sampling
+from parity.vision import ImageRows
 from trainer.logprobs import padded_logprobs
 
 LOGITS = "logits"  # scope key of the final norm + lm_head
@@ -282,8 +283,9 @@ class DeepSpeedK3Model(nn.Module):
         return ScopedK3Forward(weights, get_kernels(self.kernels), self.runners(), self.leaf_blocks_with_grads)
 
     def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float | Sampling,
-                entropy: bool = False, raw: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                entropy: bool = False, raw: bool = False,
+                images: ImageRows | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] fp32 (next-token aligned, zeros past
         each row's last scored token), differentiable; with `raw` and / or `entropy`, (lp, [raw,] [entropy])
         (`padded_logprobs`)."""
-        return padded_logprobs(self.forward_fn(), input_ids, lens, temperature, entropy, raw=raw)
+        return padded_logprobs(self.forward_fn(), input_ids, lens, temperature, entropy, raw=raw, images=images)

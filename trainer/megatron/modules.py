@@ -34,6 +34,7 @@ from parity.weights import kda_specs, text_names, text_specs
 from trainer.megatron.config import K3TransformerConfig
 from trainer.megatron.forward import ParallelK3Forward
 from parity.kernels.logprobs import Sampling
+from parity.vision import ImageRows
 from trainer.logprobs import padded_logprobs
 from trainer.megatron.sharding import lora_splits, split_of
 
@@ -339,7 +340,8 @@ class MegatronK3Model(MegatronModule):
             self.lora_scales[base] = scale
 
     def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float | Sampling,
-                entropy: bool = False, values: bool = False, raw: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                entropy: bool = False, values: bool = False, raw: bool = False,
+                images: ImageRows | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`; with
         `raw`, `entropy` and / or `values` (the value head's), a tuple (lp, [raw,] [entropy,] [values])), on the
         parameters' device (the forward's own tensors are made there too)."""
@@ -348,7 +350,7 @@ class MegatronK3Model(MegatronModule):
         device = self.model.embed_tokens.weight.device
         with torch.device(device):
             return padded_logprobs(ParallelK3Forward.for_model(self), input_ids.to(device), lens.to(device), temperature,
-                                   entropy, self.value_head.weight if values else None, raw)
+                                   entropy, self.value_head.weight if values else None, raw, images)
 
 
 VALUE_HEAD_PREFIX = "value_head."  # the value head's parameter name in the module (`add_value_head`)

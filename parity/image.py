@@ -1,0 +1,133 @@
+"""Image preprocessing for K3's vision tower, from the checkpoint's `preprocessor_config.json`; one function for both
+engines (the rollout model's inputs are checked against it, `tests/test_vision.py`).
+
+The scheme is K3's (`vllm/transformers_utils/processors/kimi_k25_vision_fused.py`, `KimiK25FusedVisionProcessor`, and
+`vllm/models/kimi_k3/common/mm_preprocess.py`): scale the image down (never up) so that it has at most
+`in_patch_limit` patches and at most `patch_limit_on_one_side` per side, resize it (PIL bicubic) to the truncated
+size, pad right and bottom with black to a multiple of merge x patch, normalise each channel through the 8-bit table
+(v / 255 - mean) / std in fp32, and cut row-major patches [N, 3, p, p]. Images enter upright and in RGB, by vLLM's
+rules (`to_rgb`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from parity.vision import ImagePatches
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # where an image goes in a prompt: one token per image
+# Modes with 8-bit channels that convert to RGB without losing range; 16-bit, 32-bit and float images do not.
+ACCEPTED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "La", "RGBa")
+WHITE = (255, 255, 255)
+
+
+class ImageError(ValueError):
+    """An image zerokl cannot use; the message names it and says why."""
+
+
+def to_rgb(image: Image.Image, name: str = "image") -> Image.Image:
+    """`image` as vLLM's parser hands it to the processor (`vllm.multimodal.parse`: `normalize_image`, then
+    `convert_image_mode(.., "RGB")`): turned upright by its EXIF orientation, then in RGB (transparency composited on
+    white, anything else `convert`ed); an image whose mode is not 8-bit per channel is refused."""
+    if image.mode not in ACCEPTED_MODES:
+        raise ImageError(f"{name}: mode {image.mode} is not an 8-bit image mode (accepted: {', '.join(ACCEPTED_MODES)})")
+    with contextlib.suppress(Exception):  # vLLM's `normalize_image` ignores a broken EXIF block the same way
+        image = ImageOps.exif_transpose(image)
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        out = Image.new("RGB", rgba.size, WHITE)
+        out.paste(rgba, mask=rgba.split()[3])
+        return out
+    return image.convert("RGB")
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """Read an image file fully into memory, in RGB (`to_rgb`); a missing or unreadable file is an `ImageError`."""
+    p = Path(path)
+    try:
+        with Image.open(p) as im:
+            im.load()
+            return to_rgb(im, str(p))
+    except FileNotFoundError:
+        raise ImageError(f"{p}: no such image file") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        if isinstance(e, ImageError):
+            raise
+        raise ImageError(f"{p}: not a readable image ({e})") from None
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """The `media_proc_cfg` of `preprocessor_config.json`."""
+
+    patch_size: int
+    merge: int
+    in_patch_limit: int
+    side_limit: int  # patches on one side
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ImageProcessing:
+        cfg = raw.get("media_proc_cfg", raw)
+        if cfg.get("fixed_output_tokens") is not None:
+            raise ImageError("preprocessor_config.json: fixed_output_tokens is not supported")
+        merge = cfg["merge_kernel_size"]
+        return cls(int(cfg["patch_size"]), int(merge[0] if isinstance(merge, list) else merge),
+                   int(cfg["in_patch_limit"]), int(cfg["patch_limit_on_one_side"]),
+                   tuple(float(v) for v in cfg["image_mean"]), tuple(float(v) for v in cfg["image_std"]))
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: str | Path) -> ImageProcessing:
+        path = Path(ckpt) / PREPROCESSOR_FILE
+        if not path.is_file():
+            raise ImageError(f"{ckpt} has no {PREPROCESSOR_FILE}: it takes no images")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def plan(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """(new width, new height, padded width, padded height) in pixels for an image of this size."""
+        p = self.patch_size
+        s1 = math.sqrt(self.in_patch_limit / (max(1.0, width // p) * max(1.0, height // p)))
+        scale = min(1.0, s1, self.side_limit * p / width, self.side_limit * p / height)
+        new_w = min(max(1, int(width * scale)), self.side_limit * p)
+        new_h = min(max(1, int(height * scale)), self.side_limit * p)
+        factor = self.merge * p
+        return new_w, new_h, new_w + (factor - new_w % factor) % factor, new_h + (factor - new_h % factor) % factor
+
+    def num_tokens(self, image: Image.Image) -> int:
+        """How many placeholder rows the image fills in a prompt (merged patches)."""
+        _, _, pw, ph = self.plan(*image.size)
+        f = self.merge * self.patch_size
+        return (pw // f) * (ph // f)
+
+    def _table(self) -> np.ndarray:
+        """[256, 3] fp32: the normalised value of each 8-bit level per channel (the fused processor's table)."""
+        values = np.arange(256, dtype=np.float32)[:, None]
+        mean = np.asarray(self.mean, dtype=np.float32)
+        std_inv = 1.0 / np.asarray(self.std, dtype=np.float32)
+        return (values / 255.0 - mean[None, :]) * std_inv[None, :]
+
+    def __call__(self, image: Image.Image) -> ImagePatches:
+        """An RGB image -> its normalised patches and grid (one frame)."""
+        if image.mode != "RGB":
+            raise ImageError(f"preprocess takes RGB images (see to_rgb), got mode {image.mode}")
+        p = self.patch_size
+        new_w, new_h, pw, ph = self.plan(*image.size)
+        pixels = np.zeros((ph, pw, 3), dtype=np.uint8)  # padding is level 0
+        pixels[:new_h, :new_w] = np.asarray(image.resize((new_w, new_h), resample=Image.Resampling.BICUBIC))
+        values = self._table()[pixels, np.arange(3)]  # [ph, pw, 3]
+        gh, gw = ph // p, pw // p
+        patches = values.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
+        return ImagePatches(torch.from_numpy(np.ascontiguousarray(patches)), (1, gh, gw), (self.merge, self.merge))
