@@ -23,6 +23,8 @@ sync, which brings it to the current version, and gets no requests before it. Ad
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import shutil
@@ -44,7 +46,8 @@ from parity.config import TextConfig
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
 from parity.sync.group import StandaloneGroup, address_towards, free_port
 from parity.sync.transports import SyncResult, TorchDistributed
-from rollout.sampling import RolloutError, Sample, check_sampling, prompt_seeds, root_message, sample_seed
+from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
+                              sample_seed)
 from rollout.server_admin import (ABORT_ROUTE, GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE,
                                   VERSION_HEADER, WEIGHTS_ROUTE, served_version)
 
@@ -134,14 +137,16 @@ class RemoteRollout:
         return self.version
 
     # --- generation -------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, temperature: float = 1.0,
+    def generate(self, prompts: Sequence[Sequence[int] | ImagePrompt], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
                  lora: str | None = None, record: bool = False) -> list[Sample]:
-        """`RolloutEngine.generate`'s contract (token-id prompts); `lora`: the served adapter name every prompt uses
+        """`RolloutEngine.generate`'s contract (token-id prompts, or `ImagePrompt`s: their images sent as PNG content
+        parts, which the server decodes to the same RGB pixels); `lora`: the served adapter name every prompt uses
         (`policy_adapter`), None for the base model."""
         if any(isinstance(p, str) for p in prompts):
             raise RolloutError("rollout servers take token-id prompts")
+        inputs = [_inputs(p) for p in prompts]
         seeds = prompt_seeds(prompts, seed)
         check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
         params = {"temperature": temperature, "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": ignore_eos,
@@ -156,7 +161,7 @@ class RemoteRollout:
 
             def run(job: tuple[int, int]) -> tuple[Server, dict]:
                 i, j = job
-                body = {"request_id": f"{RECORD_MARK}{tag}-{i}-{j}", "token_ids": list(prompts[i]),
+                body = {"request_id": f"{RECORD_MARK}{tag}-{i}-{j}", **inputs[i],
                         "sampling_params": {**params, "seed": sample_seed(seeds[i], j)},
                         **({"model": lora} if lora is not None else {})}
                 server = assignment[job]
@@ -173,7 +178,7 @@ class RemoteRollout:
                     raise error
                 else:
                     results[job] = value
-        samples = [self._sample(prompts[i], results[(i, j)][1]) for i, j in jobs]
+        samples = [self._sample(results[(i, j)][1]) for i, j in jobs]
         if not record:
             return samples
         return self._recorded(jobs, samples, {job: results[job][0] for job in jobs}, tag)
@@ -199,7 +204,8 @@ class RemoteRollout:
             raise RolloutError(f"rollout server {server.url} refused a request: HTTP {e.code}: {_message(e)}") \
                 from None
 
-    def _sample(self, prompt: Sequence[int], answer: dict) -> Sample:
+    def _sample(self, answer: dict) -> Sample:
+        """The server's answer (`return_token_ids`: the prompt as the engine ran it, images expanded) as a `Sample`."""
         choice = answer["choices"][0]
         tokens = list(choice["token_ids"])
         versions = {span["version"] for span in choice.get("weight_versions") or ()}
@@ -211,7 +217,7 @@ class RemoteRollout:
             raise RolloutError(f"request {answer.get('request_id')}: log-probs do not follow the sampled tokens")
         lps = torch.tensor([c["top_logprobs"][0]["logprob"] for c in content], dtype=torch.float32)
         cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return Sample(list(prompt), tokens, lps, self.version, int(cached))
+        return Sample(list(answer["prompt_token_ids"]), tokens, lps, self.version, int(cached))
 
     def _recorded(self, jobs: list[tuple[int, int]], samples: list[Sample], where: dict[tuple[int, int], Server],
                   tag: str) -> list[Sample]:
@@ -416,6 +422,19 @@ class RemoteRollout:
 
     def close(self) -> None:
         """The servers are not this object's: they keep running."""
+
+
+def _inputs(prompt: Sequence[int] | ImagePrompt) -> dict[str, Any]:
+    """The request fields of a prompt: its token ids (placeholders where its images go) and, with images, one PNG
+    data URL content part per image."""
+    if not isinstance(prompt, ImagePrompt):
+        return {"token_ids": list(prompt), "return_token_ids": True}
+    parts = []
+    for image in prompt.images:
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        parts.append({"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()})
+    return {"token_ids": list(prompt.token_ids), "content_parts": parts, "return_token_ids": True}
 
 
 def _catching(fn: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, BaseException | None]]:

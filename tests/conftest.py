@@ -101,7 +101,7 @@ def k3_server(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--lora-root", str(root), "--max-loras", str(K3_LORA_ARGS["max_loras"]),
             "--max-lora-rank", str(K3_LORA_ARGS["max_lora_rank"]), "--",
             "--max-model-len", str(K3_ENGINE_ARGS["max_model_len"]),
-            "--max-num-seqs", str(K3_ENGINE_ARGS["max_num_seqs"])]
+            "--max-num-seqs", str(K3_ENGINE_ARGS["max_num_seqs"]), "--enable-prefix-caching"]
     with running_server(argv, port, tmp_path_factory.mktemp("server") / "server.log") as base:
         yield base, root
 

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from typing import Any
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,3 +120,18 @@ def ppo_config_file(out: Path, base: str, checkpoint: Path, steps: int, checkpoi
     path = out / "ppo.yaml"
     path.write_text(text)
     return path
+
+
+def picture(w: int, h: int, seed: int, mode: str = "RGB") -> Any:
+    """Coloured squares on a background (a picture, not noise), in `mode`."""
+    import random
+
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    im = Image.new("RGB", (w, h), tuple(rng.randrange(256) for _ in range(3)))
+    draw = ImageDraw.Draw(im)
+    for _ in range(3):
+        x, y, s = rng.randrange(w), rng.randrange(h), rng.randrange(2, max(3, min(w, h) // 2))
+        draw.rectangle([x, y, x + s, y + s], fill=tuple(rng.randrange(256) for _ in range(3)))
+    return im.convert(mode)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from zerokl.cli import main
+from helpers import picture
 from zerokl.engine_check import ENGINE_ARGS, Checker, selftest, task_prompts
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
@@ -128,26 +129,11 @@ def test_selftest_detects_and_localises(checker: Checker) -> None:
 # --- image prompts (the checkpoint's vision tower in both engines) ------------------------------------------------
 
 
-def _picture(w: int, h: int, seed: int, mode: str = "RGB") -> "Image.Image":
-    """Coloured squares on a background (a picture, not noise), in `mode`."""
-    import random
-
-    from PIL import Image, ImageDraw
-
-    rng = random.Random(seed)
-    im = Image.new("RGB", (w, h), tuple(rng.randrange(256) for _ in range(3)))
-    draw = ImageDraw.Draw(im)
-    for _ in range(3):
-        x, y, s = rng.randrange(w), rng.randrange(h), rng.randrange(2, max(3, min(w, h) // 2))
-        draw.rectangle([x, y, x + s, y + s], fill=tuple(rng.randrange(256) for _ in range(3)))
-    return im.convert(mode)
-
-
 def _image_prompts_file(root: Path) -> Path:
     """Text prompts and image prompts (one image, two images at their placeholders, an RGBA and a palette image,
     odd sizes, one larger than the tower's grid and scaled down) with paths relative to the file."""
-    pics = {"a.png": _picture(60, 40, 1), "b.png": _picture(30, 100, 2, "RGBA"), "c.png": _picture(300, 200, 3),
-            "d.gif": _picture(20, 21, 4, "P")}
+    pics = {"a.png": picture(60, 40, 1), "b.png": picture(30, 100, 2, "RGBA"), "c.png": picture(300, 200, 3),
+            "d.gif": picture(20, 21, 4, "P")}
     (root / "imgs").mkdir()
     for name, im in pics.items():
         im.save(root / "imgs" / name)
@@ -178,7 +164,7 @@ def test_image_prompts_keep_the_bits_and_the_image_is_used(checker: Checker, tmp
     assert res.report.tokens == 2 * 5 * 8 and res.report.all_equal and res.mix_mismatch == 0, res.report
     pad = checker.cfg.raw["media_placeholder_token_id"]
     assert all(s.prompt_token_ids.count(pad) >= 1 for s in res.rollout[1:4])  # expanded by vLLM's K3 processor
-    other = ImagePrompt(prompts[1].token_ids, (_picture(60, 40, 9),))
+    other = ImagePrompt(prompts[1].token_ids, (picture(60, 40, 9),))
     first, swapped = checker.engine.generate([prompts[1], other], max_tokens=8, seed=[11, 11])
     assert len(first.prompt_ids) == len(swapped.prompt_ids) and not torch.equal(first.logprobs, swapped.logprobs)
     again = checker.engine.generate([prompts[1]], max_tokens=8, seed=[11])[0]
@@ -193,7 +179,7 @@ def test_cli_image_prompt_errors(ckpt: Path, kimi_linear_tiny: Path, tmp_path: P
     import numpy as np
     from PIL import Image
 
-    _picture(40, 40, 1).save(tmp_path / "ok.png")
+    picture(40, 40, 1).save(tmp_path / "ok.png")
     Image.fromarray(np.zeros((20, 20), dtype=np.uint16)).save(tmp_path / "deep.png")  # mode I;16
     (tmp_path / "junk.png").write_text("not an image")
     cases = [({"prompt": "hi", "images": ["nope.png"]}, "no such image file", ckpt),

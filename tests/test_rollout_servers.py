@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ppo_config_file
+from helpers import picture, ppo_config_file
 from parity.config import load_model_config
 from parity.io.checkpoint import load_checkpoint
+from parity.routing import NOT_COMPUTED
 from parity.sync.bundle import SyncError, WeightBundle, weights_checksum
 from parity.weights import master_weights, serving_weights
 from rollout.remote import RemoteRollout
+from rollout.sampling import ImagePrompt, sample_seed
 from rollout.server_admin import VERSION_HEADER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +78,28 @@ def test_remote_rollout_equals_the_engine_and_bad_updates_change_nothing(k3_serv
         assert remote.servers[0].weights() == {"version": 0, "checksum": checksum}
     after = remote.generate(prompts[:1], n=2, max_tokens=6, seed=11)
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(after, got[:2]))
+
+
+def test_image_prompts_over_the_server_equal_the_engine(k3_server: tuple[str, Path], k3_engine, k3_tiny: Path) -> None:
+    """Image prompts (sent as PNG content parts of token-in requests) and a text one through `zerokl serve`: the prompt
+    as the server expanded it, the tokens, log-probs, raw log-probs and routing (where both computed it) equal the offline engine's bit for bit;
+    the same image again is served from the server's prefix cache with the same bits."""
+    remote = RemoteRollout([k3_server[0]], load_model_config(k3_tiny).text, log=lambda _: None)
+    long = [5, 17, 29, 41] * 40  # past the server's 128-token cache block
+    prompts = [ImagePrompt([3] + long, (picture(60, 40, 1),)), long[:6],
+               ImagePrompt([40, 3, 41, 3, 42], (picture(30, 100, 2), picture(90, 90, 3)))]
+    got = remote.generate(prompts, n=2, max_tokens=6, seed=11, record=True)
+    want = k3_engine.generate(prompts, n=2, max_tokens=6, seed=11, record=True)
+    for g, w in zip(got, want):
+        assert g.prompt_ids == w.prompt_ids and g.completion_ids == w.completion_ids
+        assert torch.equal(g.logprobs, w.logprobs) and torch.equal(g.raw_logprobs, w.raw_logprobs)
+        both = (g.routing != NOT_COMPUTED) & (w.routing != NOT_COMPUTED)  # a prefix hit on either side computes less
+        assert bool(both[-6:].all()) and torch.equal(g.routing[both], w.routing[both])
+    assert len(got[0].prompt_ids) > len(prompts[0].token_ids)  # the image's tokens
+    again = remote.generate(prompts[:1], n=2, max_tokens=6, seed=[sample_seed(11, 0)])
+    assert all(a.cached_tokens >= 128 for a in again), [a.cached_tokens for a in again]
+    assert all(torch.equal(a.logprobs, g.logprobs) and a.completion_ids == g.completion_ids
+               for a, g in zip(again, got[:2]))
 
 
 def test_lora_ppo_on_a_server_it_starts(k3_tiny: Path, tmp_path: Path) -> None:
