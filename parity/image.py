@@ -22,10 +22,14 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from parity.vision import ImagePatches
+from parity.config import ModelConfig
+from parity.kernels import Kernels
+from parity.vision import ImagePatches, ImageRows, vision_tower
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # where an image goes in a prompt: one token per image
+# what vLLM's K3 processor writes in its place: begin, "image WxH", content, one pad per image row, end
+MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 # Modes with 8-bit channels that convert to RGB without losing range; 16-bit, 32-bit and float images do not.
 ACCEPTED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "La", "RGBa")
 WHITE = (255, 255, 255)
@@ -131,3 +135,29 @@ class ImageProcessing:
         gh, gw = ph // p, pw // p
         patches = values.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
         return ImagePatches(torch.from_numpy(np.ascontiguousarray(patches)), (1, gh, gw), (self.merge, self.merge))
+
+
+class ImageEncoder:
+    """A trainer's image rows: each image preprocessed (`ImageProcessing`) and run through the checkpoint's vision tower
+    (frozen: no gradient) on a kernel set, once per image object; what the engine computes for it, bit for bit."""
+
+    def __init__(self, checkpoint: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], kernels: Kernels):
+        self.processing = ImageProcessing.from_checkpoint(checkpoint)
+        self.tower = vision_tower(cfg, tensors, kernels, self.processing.side_limit)
+        self.token_id = int(cfg.raw["media_placeholder_token_id"])
+        self._done: dict[int, tuple[Image.Image, torch.Tensor]] = {}
+
+    def rows(self, images: list[tuple[Image.Image, ...]]) -> ImageRows:
+        """`ImageRows` of a batch whose row b holds `images[b]` (in prompt order)."""
+        return ImageRows(self.token_id, tuple(tuple(self.embed(im) for im in row) for row in images))
+
+    def embed(self, image: Image.Image) -> torch.Tensor:
+        """One image's merged-token embeddings [tokens, D] (kept while the image object lives in this encoder)."""
+        if id(image) not in self._done:
+            with torch.no_grad():
+                self._done[id(image)] = (image, self.tower(self.processing(image)))
+        return self._done[id(image)][1]
+
+    def forget(self) -> None:
+        """Drop the embeddings kept so far (a new batch of images)."""
+        self._done.clear()

@@ -217,16 +217,16 @@ class ImageRows:
 
 def merge_image_rows(embeds: torch.Tensor, ids: torch.Tensor, media_token_id: int,
                      images: list[torch.Tensor]) -> torch.Tensor:
-    """Token embeddings with the rows of `media_token_id` replaced, in order, by the images' merged-token embeddings
-    (vLLM's `embed_input_ids` with multimodal embeddings): embeds [..., D], ids [...] -> [..., D]. The counts must
-    agree (the prompt holds as many placeholder rows as its images have tokens)."""
-    slots = ids == media_token_id
-    want = int(slots.sum())
+    """Token embeddings with the image rows replaced, in order, by the images' merged-token embeddings (vLLM's
+    `embed_input_ids` with multimodal embeddings): embeds [..., D], ids [...] -> [..., D]. The image rows are the
+    first occurrences of `media_token_id`, as many as the images have tokens: the prompt's placeholders, which come
+    before anything sampled (a sampled `media_token_id` is a text token, as in the engine)."""
     have = sum(int(t.shape[0]) for t in images)
-    if want != have:
-        raise ValueError(f"the tokens hold {want} image placeholder rows, the images give {have} embeddings")
-    if want == 0:
+    if have == 0:
         return embeds
+    slots = (ids == media_token_id).nonzero().view(-1)
+    if slots.numel() < have:
+        raise ValueError(f"the tokens hold {slots.numel()} image placeholder rows, the images give {have} embeddings")
     out = embeds.clone()
-    out[slots] = torch.cat(images).to(embeds.dtype)
+    out[slots[:have]] = torch.cat(images).to(embeds.dtype)
     return out

@@ -123,6 +123,14 @@ def test_ppo_reference_must_be_a_checkpoint_of_the_policys_architecture(k3_tiny:
                 f"ref_model {k3_tiny_mxfp4}: its text model config differs from the policy's")
 
 
+def test_ppo_image_task_needs_a_vision_tower(kimi_linear_tiny: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    config = _ppo_config(tmp_path, kimi_linear_tiny, task="squares", task_args="{max_count: 3}")
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config),
+                "task squares gives images, but model")
+    assert not (tmp_path / "out").exists()
+
+
 def test_ppo_config_reads_exponents_yaml_leaves_as_text(k3_tiny: Path, tmp_path: Path) -> None:
     """YAML 1.1 reads `3e-3` (no dot) as a string; the config reads it as the number it is."""
     assert load_ppo_config(_ppo_config(tmp_path, k3_tiny, lr="3e-3", clip="2E-1")).lr == 3e-3
@@ -135,7 +143,8 @@ def test_ppo_config_reads_exponents_yaml_leaves_as_text(k3_tiny: Path, tmp_path:
     (b'{"prompt_token_ids": [5, 999999]}', "prompt_token_ids[1] = 999999 is not a token id"),
     (b'{"prompt_token_ids": [5, 6.0]}', "prompt_token_ids[1] = 6.0 is not a token id"),
     (b'{"prompt_token_ids": [true]}', "prompt_token_ids[0] = True is not a token id"),
-    (b'{"prompt": "hi", "images": ["a.png"]}', "unknown key(s) 'images'"),
+    (b'{"prompt": "hi", "images": ["a.png"]}', "a.png: no such image file"),
+    (b'{"prompt": "hi", "image": ["a.png"]}', "unknown key(s) 'image'"),
     (b'{"prompt": "hi", "prompt_token_ids": [5]}', "expected one of 'prompt' or 'prompt_token_ids'"),
     (b"5", "expected an object"),
     (b'{"prompt": "caf\xe9"}', "not UTF-8"),

@@ -27,9 +27,11 @@ def test_one_step_off_rollouts_keep_zero_kl_and_resume_bitwise(k3_tiny: Path, tm
     background while step t - 1 trained. Every step's sampled log-probs equal the generating version's bit for bit
     (step 0 on the trainer's own forward, later steps on the kept weights: `staleness` 1), and the updates are
     off-policy from the first (`ppo_kl` != 0). A run resumed from the step-2 checkpoint (the rollout generated ahead and
-    the kept version restored from it) reproduces step 2 and the final weights bit for bit."""
+    the kept version restored from it) reproduces step 2 and the final weights bit for bit. The task has images
+    (`squares`): their rows come from the engine's vision tower in rollouts and the trainer's in every check and
+    update, the kept version's included, and the rollout queued ahead keeps its pictures across the resume."""
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-async.yaml"), model=str(k3_tiny), steps=3,
-                  prompts_per_step=2, wandb="disabled")
+                  prompts_per_step=2, wandb="disabled", task="squares", task_args={"max_count": 4})
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
     try:
         results = []

@@ -1,8 +1,9 @@
 """`zerokl ppo --ray auto --num-rollout-servers 2` on a local Ray cluster started here (`ray.init(num_cpus=3)`): two
 rollout servers and the trainer as Ray actors in one placement group (k3-tiny-mxfp4, `sync: torch_distributed`: the
 trainer actor broadcasts over the node's address into both servers' workers every step). One server is killed after
-step 0 and the run goes on with the other, its prompts retried there; every step's log-probs, raw log-probs and expert
-choices are bitwise the trainer's; the servers, the actors and the placement group are gone when the command returns.
+step 0 and the run goes on with the other, its prompts retried there; the prompts carry pictures (task `squares`, sent
+to the servers as PNG content parts); every step's log-probs, raw log-probs and expert choices are bitwise the
+trainer's; the servers, the actors and the placement group are gone when the command returns.
 (`--num-rollout-servers` without Ray: tests/test_rollout_servers.py.)
 """
 
@@ -52,7 +53,7 @@ def alive(group: int) -> list[int]:
 def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=STEPS,
-                             sync="torch_distributed")
+                             sync="torch_distributed", task="squares", task_args="{max_count: 4}")
     out, log = tmp_path / "run", tmp_path / "console.log"
     # Ray's memory monitor kills a worker when the whole host passes 95% of its memory, which the suite's other
     # worker (its own engines and servers) can push it to on a 24 GiB machine: off for this cluster

@@ -64,14 +64,14 @@ class TrainerBackend(ABC):
         """`logprobs` of a padded batch and the raw ones (temperature 1, no truncation), [B, T] each, from one no-grad
         forward."""
         with torch.no_grad():
-            return self.model(batch.input_ids, batch.lens, temperature, raw=True)
+            return self.model(batch.input_ids, batch.lens, temperature, raw=True, **batch.model_kwargs())
 
     def logprobs_raw_and_values(self, batch: PaddedBatch,
                                 temperature: float | Sampling) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`logprobs_and_raw` (the same bits) and the value head's values [B, T], aligned alike, from one no-grad
         forward; only a backend built with a value head has them."""
         with torch.no_grad():
-            return self.model(batch.input_ids, batch.lens, temperature, values=True, raw=True)
+            return self.model(batch.input_ids, batch.lens, temperature, values=True, raw=True, **batch.model_kwargs())
 
     @abstractmethod
     def train_step(self, *loss_fns: LossFn) -> tuple[float, float]:

@@ -43,6 +43,16 @@ class PaddedBatch:
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         return cls(ids, lens, images)
 
+    def select(self, rows: torch.Tensor) -> PaddedBatch:
+        """The batch of rows `rows` (a 1-D index), their images with them."""
+        images = None if self.images is None else ImageRows(self.images.token_id,
+                                                             tuple(self.images.rows[i] for i in rows.tolist()))
+        return PaddedBatch(self.input_ids[rows], self.lens[rows], images)
+
+    def model_kwargs(self) -> dict[str, ImageRows]:
+        """What a trainer model's forward takes beside the ids: the rows' images, when there are any."""
+        return {} if self.images is None else {"images": self.images}
+
     def mask(self) -> torch.Tensor:
         """[B, T] bool: positions holding a token."""
         return torch.arange(self.input_ids.shape[1]).view(1, -1) < self.lens.view(-1, 1)
@@ -113,20 +123,18 @@ def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch,
     if isinstance(batch, PackedBatch):
         padded = batch.to_padded()
         return model(padded.input_ids, padded.lens, temperature)[padded.mask()]
-    if batch.images is not None:
-        return model(batch.input_ids, batch.lens, temperature, images=batch.images)
-    return model(batch.input_ids, batch.lens, temperature)
+    return model(batch.input_ids, batch.lens, temperature, **batch.model_kwargs())
 
 
 def token_logprobs_and_entropy(model: torch.nn.Module, batch: PaddedBatch, temperature: float | Sampling,
                                raw: bool = False) -> tuple[torch.Tensor, ...]:
     """`token_logprobs` of a padded batch [and the raw ones] and the entropy of each position's next-token
     distribution, all [B, T] (`padded_logprobs` with `entropy`), from one forward."""
-    return model(batch.input_ids, batch.lens, temperature, entropy=True, raw=raw)
+    return model(batch.input_ids, batch.lens, temperature, entropy=True, raw=raw, **batch.model_kwargs())
 
 
 def token_logprobs_entropy_and_values(model: torch.nn.Module, batch: PaddedBatch, temperature: float | Sampling,
                                       raw: bool = False) -> tuple[torch.Tensor, ...]:
     """`token_logprobs_and_entropy` and the value head's values (`padded_logprobs` with `value_head`), all [B, T],
     from one forward of a model with a value head."""
-    return model(batch.input_ids, batch.lens, temperature, entropy=True, values=True, raw=raw)
+    return model(batch.input_ids, batch.lens, temperature, entropy=True, values=True, raw=raw, **batch.model_kwargs())

@@ -20,6 +20,7 @@ import torch
 from parity.compare import DumpError, ParityReport, SequenceLogprobs, compare, jsonl_rows
 from parity.config import ConfigError, ModelConfig
 from parity.diagnose import Divergence, diagnose
+from parity.image import ImageEncoder
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.io.checkpoint import load_checkpoint
@@ -71,7 +72,7 @@ def _image_prompt(ids: list[int], images: Any, where: str, root: Path, tokenizer
     """The prompt's ids with one placeholder per image (added in front when the prompt has none) and its images read;
     refused when the checkpoint has no vision tower or the expanded prompt does not fit."""
     from parity.config import load_model_config
-    from parity.image import IMAGE_PLACEHOLDER, ImageError, ImageProcessing, open_image
+    from parity.image import IMAGE_PLACEHOLDER, MEDIA_TOKENS, ImageError, ImageProcessing, open_image
 
     if not isinstance(images, list) or not images or not all(isinstance(i, str) and i for i in images):
         raise DumpError(f"{where}: 'images' must be a non-empty list of image file paths, got {images!r}")
@@ -82,6 +83,10 @@ def _image_prompt(ids: list[int], images: Any, where: str, root: Path, tokenizer
         processing = ImageProcessing.from_checkpoint(checkpoint)
     except ImageError as e:
         raise DumpError(f"{where}: {e}") from None
+    media = [t for t in MEDIA_TOKENS if tokenizer.token_to_id(t) in ids]
+    if media:
+        raise DumpError(f"{where}: the prompt holds {media[0]}, which the engine writes around an image's rows; put "
+                        f"{IMAGE_PLACEHOLDER} where an image goes")
     placeholder = tokenizer.token_to_id(IMAGE_PLACEHOLDER)
     held = ids.count(placeholder)
     if held == 0:
@@ -213,7 +218,7 @@ class Checker:
         if self.adapter is not None:
             ranks = [self.adapter.spec.rank(m) for m in self.adapter.weights]
             args.update(lora_engine_args(max(ranks)))
-        self.images = _TrainerImages(self.path, self.cfg, self.tensors, kernels) if self.cfg.vision else None
+        self.images = ImageEncoder(self.path, self.cfg, self.tensors, get_kernels(kernels)) if self.cfg.vision else None
         self.engine = RolloutEngine(self.path, kernels=kernels, **args)
         self.lora_request = self.engine.load_adapter("adapter", lora) if lora is not None else None
 
@@ -241,7 +246,9 @@ class Checker:
         from trainer.logprobs import PaddedBatch
 
         with_images = prompts is not None and any(isinstance(p, ImagePrompt) for p in prompts)
-        rows = self.images.rows(prompts) if with_images and self.images is not None else None
+        rows = None
+        if with_images and self.images is not None:
+            rows = self.images.rows([p.images if isinstance(p, ImagePrompt) else () for p in prompts])
         lp = self.backend.logprobs(PaddedBatch.from_sequences([s.prompt_ids + s.completion_ids for s in samples],
                                                               images=rows), temperature)
         return [lp[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.completion_ids)]
@@ -285,33 +292,6 @@ class Checker:
     def close(self) -> None:
         self.engine.close()
         self.backend.close()
-
-
-class _TrainerImages:
-    """The trainer side's image rows: each prompt's images preprocessed (`parity.image`) and run through the checkpoint's
-    vision tower (frozen) on the check's kernels, once per prompt."""
-
-    def __init__(self, path: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], kernels: str):
-        from parity.image import ImageProcessing
-        from parity.vision import vision_tower
-
-        self.processing = ImageProcessing.from_checkpoint(path)
-        self.tower = vision_tower(cfg, tensors, get_kernels(kernels), self.processing.side_limit)
-        self.token_id = int(cfg.raw["media_placeholder_token_id"])
-        self._done: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    def rows(self, prompts: list[list[int] | ImagePrompt]) -> Any:
-        from parity.vision import ImageRows
-
-        return ImageRows(self.token_id, tuple(self._embedded(p) for p in prompts))
-
-    def _embedded(self, prompt: list[int] | ImagePrompt) -> tuple[torch.Tensor, ...]:
-        if not isinstance(prompt, ImagePrompt):
-            return ()
-        if id(prompt) not in self._done:
-            with torch.no_grad():
-                self._done[id(prompt)] = tuple(self.tower(self.processing(im)) for im in prompt.images)
-        return self._done[id(prompt)]
 
 
 def expected_block(cfg: ModelConfig, name: str) -> str:

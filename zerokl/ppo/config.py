@@ -4,6 +4,7 @@ expected."""
 from __future__ import annotations
 
 import math
+import random
 import re
 import urllib.parse
 from dataclasses import dataclass, fields
@@ -12,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from parity.config import ConfigError
+from parity.config import ConfigError, load_model_config
 from parity.kernels import KERNEL_SETS, get_kernels
 from parity.kernels.logprobs import Sampling
 from trainer.backend import BACKENDS, DEFAULT_ZERO_STAGE, ZERO_STAGES
@@ -95,9 +96,13 @@ class PPOConfig:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), str(f.type))
         try:  # the whole task, here: a bad dataset or reward function stops the run before anything starts
-            make_task(self.task, **{str(k): v for k, v in (self.task_args or {}).items()})
+            task = make_task(self.task, **{str(k): v for k, v in (self.task_args or {}).items()})
         except ConfigError as e:
             raise ConfigError(f"ppo config: {e}") from None
+        if getattr(task.sample(random.Random(0)), "images", ()) and Path(self.model).exists() \
+                and load_model_config(self.model).vision is None:  # a throwaway draw
+            raise ConfigError(f"ppo config: task {self.task} gives images, but model {self.model} has no vision tower "
+                              "(vision_config)")
         _choice("advantage", self.advantage, ("grpo", "gae"))
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("old_logprobs", self.old_logprobs, ("recompute", "rollout"))

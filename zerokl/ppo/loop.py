@@ -87,15 +87,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
+from PIL import Image
 
 from lora.adapter import Adapter
 from parity.compare import SequenceLogprobs, compare
 from parity.config import ConfigError, load_model_config
 from parity.diagnose import diagnose
+from parity.image import ImageEncoder
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, record_routing
 from parity.routing import per_sequence, routing_agreement
+from parity.vision import ImageRows
+from rollout.sampling import ImagePrompt
 from parity.weights import bf16_bytes, is_indexer, serving_weights, text_specs
 from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import explained_variance, gae_advantages, grpo_advantages, masked_whiten, ppo_loss, value_loss
@@ -147,6 +152,7 @@ class Rollout:
     logprobs: torch.Tensor  # [len(completion_ids)] fp32, the engine's, under the distribution sampled from
     raw_logprobs: torch.Tensor  # [len(completion_ids)] fp32, the engine's raw ones (temperature 1, no truncation)
     routing: torch.Tensor | None  # the engine's experts per input position (`parity.routing`), MoE models
+    images: tuple[Any, ...] = ()  # the prompt's images (RGB `PIL.Image`s), whose rows fill its image placeholders
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -193,6 +199,7 @@ class PPORun:
             log(f"DSA indexer: its {len(frozen)} tensors stay frozen (the loss reaches them only through the top-k "
                 f"selection, which has no gradient); they are synced unchanged")
         self.reference = reference_forward(cfg, base) if self.rank0 and cfg.kl_coef > 0 else None
+        self.encoder = image_encoder(base, self.backend.model_cfg, cfg.kernels)
         self.engine: Any = None
         self.sync: WeightSync | RemoteSync | None = None
         if self.rank0:
@@ -336,7 +343,8 @@ class PPORun:
         from trainer.logprobs import padded_logprobs
 
         with torch.no_grad():
-            lp = padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.loss_sampling)
+            lp = padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.loss_sampling,
+                                 images=batch.images)
         return lp.gather(1, index)
 
     @staticmethod
@@ -354,7 +362,7 @@ class PPORun:
         weights = K3Weights.from_official(self.backend.model_cfg.text, self.kept[version])
         with torch.no_grad():
             lp, raw = padded_logprobs(K3Forward(weights, get_kernels(self.cfg.kernels)), batch.input_ids, batch.lens,
-                                      self.cfg.sampling, raw=True)
+                                      self.cfg.sampling, raw=True, images=batch.images)
         return lp.gather(1, index), raw.gather(1, index)
 
     def _decode(self, ids: list[int]) -> str:
@@ -365,7 +373,7 @@ class PPORun:
         policy version)."""
         cfg = self.cfg
         problems = [self.task.sample(self.rng) for _ in range(cfg.prompts_per_step)]
-        prompts = [self.tokenizer.encode(p.prompt).ids for p in problems]
+        prompts = [self._prompt(p) for p in problems]
         t0 = time.perf_counter()
         samples = self.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
                                        top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
@@ -374,9 +382,22 @@ class PPORun:
         t_roll = time.perf_counter() - t0
         rewards = torch.tensor([self.task.reward(self._decode(s.completion_ids), problems[i // cfg.samples_per_prompt])
                                 for i, s in enumerate(samples)])
-        return ([Rollout(s.prompt_ids, s.completion_ids, s.logprobs, s.raw_logprobs, s.routing) for s in samples],
-                rewards, t_roll,
-                [s.policy_version for s in samples])
+        return ([Rollout(s.prompt_ids, s.completion_ids, s.logprobs, s.raw_logprobs, s.routing,
+                         _images(problems[i // cfg.samples_per_prompt])) for i, s in enumerate(samples)],
+                rewards, t_roll, [s.policy_version for s in samples])
+
+    def _prompt(self, problem: Any) -> list[int] | ImagePrompt:
+        """A problem's prompt as the engine takes it: token ids, with its images (`ImagePrompt`) when it has any."""
+        ids = self.tokenizer.encode(problem.prompt).ids
+        images = _images(problem)
+        return ImagePrompt(ids, images) if images else ids
+
+    def _image_rows(self, samples: list[Rollout]) -> ImageRows | None:
+        """The batch's image rows (the trainer's tower, frozen), or None when no sample has images."""
+        if self.encoder is None or not any(s.images for s in samples):
+            return None
+        self.encoder.forget()  # this step's images only
+        return self.encoder.rows([s.images for s in samples])
 
     def _next_rollout(self) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
         """Rank 0: this step's rollouts. With max_staleness k, steps up to `step + k` are queued on the background
@@ -417,7 +438,7 @@ class PPORun:
                                f"{self.version} (max_staleness {cfg.max_staleness})")
         gae = cfg.advantage == "gae"
         seqs = [s.prompt_ids + s.completion_ids for s in samples]
-        batch = PaddedBatch.from_sequences(seqs)
+        batch = PaddedBatch.from_sequences(seqs, images=self._image_rows(samples))
         n_tok = max(len(s.completion_ids) for s in samples)
         index = torch.zeros(len(samples), n_tok, dtype=torch.long)
         mask = torch.zeros(len(samples), n_tok)
@@ -472,7 +493,7 @@ class PPORun:
             `minibatch`, weighted by its share of the minibatch's tokens (the passes' gradients add up to the
             minibatch's token mean); old log-probs are the rollout's (bitwise the trainer's at the generating version,
             which `check` establishes)."""
-            sub = PaddedBatch(batch.input_ids[rows], batch.lens[rows])
+            sub = batch.select(rows)
             share = mask[rows].sum() / mask[minibatch].sum().clamp(min=1)
 
             def loss_fn(model: torch.nn.Module) -> torch.Tensor:
@@ -624,7 +645,15 @@ class PPORun:
         if not self.rank0:
             return self.backend.broadcast(None)
         rep, which = (report["parity_raw"], "raw ") if report["parity"].all_equal else (report["parity"], "")
-        first = next(d for d in rep.sequences if d.first_mismatch is not None)
+        failed = [d for d in rep.sequences if d.first_mismatch is not None]
+        text_only = [d for d in failed if not samples[int(d.id)].images]  # the block replay runs token ids
+        if not text_only:
+            text = (f"sequence {failed[0].id}: first {which}log-prob mismatch at completion token "
+                    f"{failed[0].first_mismatch} (max |d| {failed[0].max_abs_diff:.3e}); every mismatching sequence "
+                    "has images, which the block-by-block replay does not take")
+            (self.out / "diagnosis.txt").write_text(text + "\n")
+            return self.backend.broadcast(text)
+        first = text_only[0]
         s = samples[int(first.id)]
         weights = K3Weights.from_official(self.backend.model_cfg.text, base)
         if adapter is not None:
@@ -662,6 +691,7 @@ def _ahead_record(ahead: deque[tuple[int, Future]], kept: dict[int, dict[str, to
         rows.append({"step": step, "prompt_ids": [s.prompt_ids for s in samples],
                      "completion_ids": [s.completion_ids for s in samples], "logprobs": [s.logprobs for s in samples],
                      "raw_logprobs": [s.raw_logprobs for s in samples], "routing": [s.routing for s in samples],
+                     "images": [[torch.from_numpy(np.array(im)) for im in s.images] for s in samples],
                      "rewards": rewards, "seconds": seconds, "versions": versions})
     return {"ahead": rows, "kept": {str(v): w for v, w in kept.items()}}
 
@@ -671,8 +701,9 @@ def _from_ahead_record(record: dict[str, Any]) -> tuple[deque[tuple[int, Future]
     ahead: deque[tuple[int, Future]] = deque()
     for row in record["ahead"]:
         future: Future = Future()
+        images = [tuple(Image.fromarray(t.numpy(), "RGB") for t in held) for held in row["images"]]
         samples = [Rollout(*fields) for fields in zip(row["prompt_ids"], row["completion_ids"], row["logprobs"],
-                                                      row["raw_logprobs"], row["routing"])]
+                                                      row["raw_logprobs"], row["routing"], images)]
         future.set_result((samples, row["rewards"], row["seconds"], row["versions"]))
         ahead.append((row["step"], future))
     return ahead, {int(v): w for v, w in record["kept"].items()}
@@ -692,6 +723,20 @@ def base_checkpoint(cfg: PPOConfig, out: Path) -> Path:
                               "(it creates the checkpoint first) or set `model` to a checkpoint directory")
         init_checkpoint(model, ckpt, seed=cfg.seed)
     return ckpt
+
+
+def _images(item: Any) -> tuple[Any, ...]:
+    """The images of a problem or rollout (none for a text one)."""
+    return tuple(getattr(item, "images", ()))
+
+
+def image_encoder(base: Path, model_cfg: Any, kernels: str) -> ImageEncoder | None:
+    """The trainer side's image rows for a checkpoint with a vision tower (frozen; its tensors read once), else None."""
+    if model_cfg.vision is None:
+        return None
+    from parity.io.checkpoint import load_checkpoint
+
+    return ImageEncoder(base, model_cfg, load_checkpoint(base)[1], get_kernels(kernels))
 
 
 def check_prompt_lengths(task: Any, tokenizer: Any, room: int) -> None:

@@ -2,8 +2,9 @@
 
 A task is any object with `name`, `sample(rng) -> Problem` and `reward(completion, problem) -> float`
 (`zerokl.tasks.base.Task`); `sample` must draw only from `rng`, the run's `random.Random`, which a checkpoint
-restores. Built in: `addition` and `reversal` (`toy`), and `jsonl` (`jsonl`): a user's JSONL dataset with a user or
-builtin reward function. Add one by writing such a class, its `__init__` keyword arguments typed (they are the
+restores. Built in: `addition` and `reversal` (`toy`), `squares` (`vision`: counting squares in a generated picture, for a
+checkpoint with a vision tower), and `jsonl` (`jsonl`): a user's JSONL dataset with a user or builtin reward function.
+A problem with images (`zerokl.tasks.vision.ImageProblem`) carries them beside its prompt. Add one by writing such a class, its `__init__` keyword arguments typed (they are the
 task's `task_args`), and registering it in `TASKS` (README "Adding a task").
 """
 
@@ -19,10 +20,12 @@ from zerokl.tasks.base import Problem, Task
 from zerokl.tasks.jsonl import JsonlTask
 from zerokl.tasks.rewards import RewardError
 from zerokl.tasks.toy import Addition, Reversal
+from zerokl.tasks.vision import ImageProblem, Squares
 
-__all__ = ["TASKS", "Addition", "JsonlTask", "Problem", "RewardError", "Reversal", "Task", "make_task", "resolve_paths"]
+__all__ = ["TASKS", "Addition", "ImageProblem", "JsonlTask", "Problem", "RewardError", "Reversal", "Squares", "Task",
+           "make_task", "resolve_paths"]
 
-TASKS: dict[str, type] = {"addition": Addition, "reversal": Reversal, "jsonl": JsonlTask}
+TASKS: dict[str, type] = {"addition": Addition, "reversal": Reversal, "squares": Squares, "jsonl": JsonlTask}
 
 _KINDS = {int: "an integer", str: "a string"}
 
