@@ -53,7 +53,7 @@ class Server:
             with urllib.request.urlopen(req, timeout=300) as resp:
                 text = resp.read().decode()
         except urllib.error.HTTPError as e:
-            raise PushError(f"{self.url}: {method} {route}: HTTP {e.code}: {_message(e.read().decode())}") from None
+            raise PushError(f"{self.url}: {method} {route}: HTTP {e.code}: {error_message(e.read().decode())}") from None
         except (urllib.error.URLError, OSError) as e:
             raise PushError(f"{self.url}: unreachable ({getattr(e, 'reason', e)})") from None
         try:
@@ -62,7 +62,8 @@ class Server:
             return text
 
 
-def _message(text: str) -> str:
+def error_message(text: str) -> str:
+    """The server's own message in an error answer's body (vLLM's and zerokl's error bodies), else the text."""
     try:
         body = json.loads(text)
     except json.JSONDecodeError:

@@ -28,8 +28,6 @@ from parity.vision import ImagePatches, ImageRows, vision_tower
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # where an image goes in a prompt: one token per image
-# what vLLM's K3 processor writes in its place: begin, "image WxH", content, one pad per image row, end
-MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
 # Modes with 8-bit channels that convert to RGB without losing range; 16-bit, 32-bit and float images do not.
 ACCEPTED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "La", "RGBa")
 WHITE = (255, 255, 255)

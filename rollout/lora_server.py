@@ -71,16 +71,6 @@ def served_as(request: Request, name: object) -> list[str]:
     return sorted(alias for alias, req in models.lora_requests.items() if alias != name and req.lora_name == name)
 
 
-def _api_keys(request: Request) -> list[str]:
-    keys = getattr(request.app.state.args, "api_key", None) or os.environ.get("VLLM_API_KEY") or []
-    return [keys] if isinstance(keys, str) else list(keys)
-
-
-def _authorized(request: Request) -> bool:
-    keys = _api_keys(request)
-    return not keys or request.headers.get("authorization", "") in {f"Bearer {k}" for k in keys}
-
-
 def server_state(request: Request, root: Path) -> dict[str, Any]:
     """The JSON of `GET /zerokl/v1/lora`."""
     models = request.app.state.openai_serving_models
@@ -179,7 +169,7 @@ async def lora_admin(request: Request, call_next: Callable[[Request], Awaitable[
                               "switch those names to another version first (zerokl lora push does)",
                               HTTPStatus.CONFLICT)
         return await call_next(request)
-    if not _authorized(request):
+    if not server_admin.authorized(request):
         return _error("missing or wrong API key", HTTPStatus.UNAUTHORIZED)
     if path == STATE_ROUTE and request.method == "GET":
         return JSONResponse(server_state(request, lora_root()))

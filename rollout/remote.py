@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from lora.push import error_message
 from parity.config import TextConfig
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
 from parity.sync.group import StandaloneGroup, address_towards, free_port
@@ -87,13 +88,11 @@ class Server:
 
 
 def _message(error: urllib.error.HTTPError) -> str:
-    """The server's own message in an error answer (vLLM's and zerokl's error bodies)."""
+    """The server's own message in an error answer (`lora.push.error_message` of its body), else the HTTP reason."""
     try:
-        body = json.loads(error.read())
-    except (ValueError, OSError):
-        return error.reason
-    inner = body.get("error", body) if isinstance(body, dict) else body
-    return str(inner.get("message", inner) if isinstance(inner, dict) else inner)
+        return error_message(error.read().decode(errors="replace")) or str(error.reason)
+    except OSError:
+        return str(error.reason)
 
 
 @dataclass

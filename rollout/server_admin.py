@@ -64,7 +64,8 @@ def _error(message: str, status: HTTPStatus) -> JSONResponse:
                         status_code=status.value)
 
 
-def _authorized(request: Request) -> bool:
+def authorized(request: Request) -> bool:
+    """The request carries one of the server's API keys (`--api-key` or VLLM_API_KEY), or the server has none."""
     keys = getattr(request.app.state.args, "api_key", None) or os.environ.get("VLLM_API_KEY") or []
     keys = [keys] if isinstance(keys, str) else list(keys)
     return not keys or request.headers.get("authorization", "") in {f"Bearer {k}" for k in keys}
@@ -107,7 +108,7 @@ async def sync_admin(request: Request, call_next: Callable[[Request], Awaitable[
     """The middleware (`--middleware rollout.server_admin.sync_admin`)."""
     path = request.url.path.rstrip("/") or "/"
     engine = request.app.state.engine_client
-    if path in VERSIONED_ROUTES and VERSION_HEADER.lower() in request.headers and _authorized(request):
+    if path in VERSIONED_ROUTES and VERSION_HEADER.lower() in request.headers and authorized(request):
         expected = request.headers[VERSION_HEADER]
         held = served_version(await engine.get_weight_version())
         if expected != str(held):
@@ -115,7 +116,7 @@ async def sync_admin(request: Request, call_next: Callable[[Request], Awaitable[
                           HTTPStatus.CONFLICT)
         return await call_next(request)
     if path in ZEROKL_ROUTES or path in SYNC_ROUTES:
-        if not _authorized(request):
+        if not authorized(request):
             return _error("missing or wrong API key", HTTPStatus.UNAUTHORIZED)
     elif path in dev_paths():
         return _error(f"no route {request.method} {path} on this server (a vLLM development route that zerokl "

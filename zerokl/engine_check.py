@@ -72,7 +72,7 @@ def _image_prompt(ids: list[int], images: Any, where: str, root: Path, tokenizer
     """The prompt's ids with one placeholder per image (added in front when the prompt has none) and its images read;
     refused when the checkpoint has no vision tower or the expanded prompt does not fit."""
     from parity.config import load_model_config
-    from parity.image import IMAGE_PLACEHOLDER, MEDIA_TOKENS, ImageError, ImageProcessing, open_image
+    from parity.image import IMAGE_PLACEHOLDER, ImageError, ImageProcessing, open_image
 
     if not isinstance(images, list) or not images or not all(isinstance(i, str) and i for i in images):
         raise DumpError(f"{where}: 'images' must be a non-empty list of image file paths, got {images!r}")
@@ -83,10 +83,6 @@ def _image_prompt(ids: list[int], images: Any, where: str, root: Path, tokenizer
         processing = ImageProcessing.from_checkpoint(checkpoint)
     except ImageError as e:
         raise DumpError(f"{where}: {e}") from None
-    media = [t for t in MEDIA_TOKENS if tokenizer.token_to_id(t) in ids]
-    if media:
-        raise DumpError(f"{where}: the prompt holds {media[0]}, which the engine writes around an image's rows; put "
-                        f"{IMAGE_PLACEHOLDER} where an image goes")
     placeholder = tokenizer.token_to_id(IMAGE_PLACEHOLDER)
     held = ids.count(placeholder)
     if held == 0:
@@ -102,12 +98,15 @@ def _image_prompt(ids: list[int], images: Any, where: str, root: Path, tokenizer
 
 
 def _image_len(tokenizer: Any, processing: Any, image: Any) -> int:
-    """Tokens one image takes in the engine's prompt: K3's `<|media_begin|>image WxH<|media_content|>`, one
-    `<|media_pad|>` per merged patch, `<|media_end|>` (vLLM's `KimiK3MultiModalProcessor`)."""
+    """Tokens one image takes in the engine's prompt: K3's `<|media_begin|>image WxH<|media_content|>`, one pad per
+    merged patch, `<|media_end|>` (vLLM's `KimiK3MultiModalProcessor`; this tokenizer holds only the pad, which is
+    the placeholder token, as a special token)."""
+    from parity.image import IMAGE_PLACEHOLDER
+
     w, h = image.size
-    frame = tokenizer.encode(f"<|media_begin|>image {w}x{h}<|media_content|><|media_end|>",
-                             add_special_tokens=False).ids
-    return len(frame) + processing.num_tokens(image)
+    pads = IMAGE_PLACEHOLDER * processing.num_tokens(image)
+    return len(tokenizer.encode(f"<|media_begin|>image {w}x{h}<|media_content|>{pads}<|media_end|>",
+                                add_special_tokens=False).ids)
 
 
 def _prompt_ids(row: Any, where: str, tokenizer: Any, vocab_size: int, max_prompt_len: int) -> list[int]:

@@ -1,8 +1,7 @@
 """A byte-level BPE tokenizer built locally (no hub), saved as `tokenizer.json` + `tokenizer_config.json`.
 
-Ids 0-7 are the special tokens `<|pad|>`, `<|bos|>`, `<|eos|>`, `<|kimi_image_placeholder|>` (where a prompt's image
-goes), then K3's media tokens `<|media_begin|>`, `<|media_content|>`, `<|media_end|>`, `<|media_pad|>` (what vLLM's K3
-processor expands each placeholder into; `<|media_pad|>` is the configs' `media_placeholder_token_id`, 7). The merges are learned from a fixed synthetic corpus
+Ids 0-3 are the special tokens `<|pad|>`, `<|bos|>`, `<|eos|>`, `<|kimi_image_placeholder|>` (matching the
+configs' pad/bos/eos/media_placeholder ids). The merges are learned from a fixed synthetic corpus
 (arithmetic, reversal and sorting prompts plus common English), so the same vocab size gives the same file.
 """
 
@@ -14,8 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|kimi_image_placeholder|>",
-                  "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|kimi_image_placeholder|>"]
 
 _WORDS = (
     "the of and to in is it that for on as with was be by this are or from at an which have not you all "
