@@ -124,12 +124,7 @@ class _Timed(torch.autograd.Function):
         swap = {id(t): d for t, d in zip(leaves, inner)}
         new_args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
         with torch.enable_grad():
-            sync()
-            t0 = time.perf_counter()
-            result = op(*new_args, **kwargs)
-            sync()
-        PROBE.fwd[name] += time.perf_counter() - t0
-        PROBE.calls[name] += 1
+            result = _clocked(PROBE.fwd, name, lambda: op(*new_args, **kwargs))
         outs = list(result) if isinstance(result, tuple) else [result]
         diff = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         ctx.graph, ctx.inner, ctx.name = [outs[i] for i in diff], inner, name
@@ -152,27 +147,29 @@ class _Timed(torch.autograd.Function):
         return (None, None, None, None, None, *got)
 
 
+def _clocked(table: dict[str, float], name: str, call: Callable[[], Any], wait: bool = True) -> Any:
+    """`call()` timed into `table[name]` (from a synced device; until the device is done unless `wait` is off), one call
+    counted for `name`."""
+    sync()
+    t0 = time.perf_counter()
+    result = call()
+    if wait:
+        sync()
+    table[name] += time.perf_counter() - t0
+    PROBE.calls[name] += 1
+    return result
+
+
 def _probed(name: str, op: Callable) -> Callable:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         mode = PROBE.mode
         if mode is None:
             return op(*args, **kwargs)
-        if mode == "host":
-            sync()
-            t0 = time.perf_counter()
-            result = op(*args, **kwargs)
-            PROBE.host[name] += time.perf_counter() - t0
-            PROBE.calls[name] += 1
-            return result
+        if mode == "host":  # the host's time: no sync after the call
+            return _clocked(PROBE.host, name, lambda: op(*args, **kwargs), wait=False)
         leaves = list({id(a): a for a in args if isinstance(a, torch.Tensor) and a.requires_grad}.values())
         if not (leaves and torch.is_grad_enabled()):
-            sync()
-            t0 = time.perf_counter()
-            result = op(*args, **kwargs)
-            sync()
-            PROBE.fwd[name] += time.perf_counter() - t0
-            PROBE.calls[name] += 1
-            return result
+            return _clocked(PROBE.fwd, name, lambda: op(*args, **kwargs))
         box: list = []
         diff_outs = _Timed.apply(name, op, args, kwargs, box, *leaves)
         result = box[0]

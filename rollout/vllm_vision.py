@@ -3,10 +3,10 @@
 
 `ZeroKLK3ForConditionalGeneration` is `ZeroKLK3ForCausalLM` plus vLLM's multimodal interface, registered with vLLM's
 own K3 processor (`vllm/models/kimi_k3/common/mm_preprocess.py`: each `<|kimi_image_placeholder|>` of a prompt becomes
-`<|media_begin|>image WxH<|media_content|>` + one `<|media_pad|>` per merged patch + `<|media_end|>`; its pixels come
-from `KimiK25FusedVisionProcessor`, equal bit for bit to `parity.image`'s). vLLM runs `embed_multimodal` once per image
-(the encoder cache keeps the result across chunked-prefill steps), scatters the rows into the prompt's `<|media_pad|>`
-positions (`embed_input_ids`), and hands the step's rows to `forward` as `inputs_embeds`; the prefix cache keys each
+`<|media_begin|>image WxH<|media_content|>` + one pad per merged patch + `<|media_end|>`, the pad being the config's
+`media_placeholder_token_id`, in zerokl's tokenizer the placeholder token itself; its pixels come from
+`KimiK25FusedVisionProcessor`, equal bit for bit to `parity.image`'s). vLLM runs `embed_multimodal` once per image
+(the encoder cache keeps the result across chunked-prefill steps), scatters the rows into the prompt's pad positions (`embed_input_ids`), and hands the step's rows to `forward` as `inputs_embeds`; the prefix cache keys each
 block by the images' hashes. Each image runs alone through the tower on the parity kernels, so its rows are the bits
 the trainer computes for it (`trainer.logprobs.PaddedBatch.images`).
 

@@ -150,3 +150,15 @@ def vllm_env() -> Iterator[None]:
         if worker is not None:  # one core per worker for vLLM's model process (its default binds core 0 in each)
             mp.setenv("VLLM_CPU_OMP_THREADS_BIND", str(int(worker.removeprefix("gw")) % (os.cpu_count() or 1)))
         yield
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module of tiny float64 ops (threads only add overhead there); restored after it. A
+    module asks for it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

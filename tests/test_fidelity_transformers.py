@@ -34,6 +34,8 @@ from parity.io.checkpoint import load_checkpoint
 
 modeling = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny float64 ops (conftest.py)
+
 TINY = Path(__file__).resolve().parents[1] / "configs" / "kimi-linear-tiny.yaml"
 LOGPROB_ATOL = 5e-5
 HIDDEN_RTOL = 3e-5
@@ -55,14 +57,6 @@ def assert_close(actual: Tensor, expected: Tensor, atol: float, what: str) -> No
 def assert_rel(actual: Tensor, expected: Tensor, what: str) -> None:
     assert_close(actual, expected, HIDDEN_RTOL * float(expected.abs().max()), what)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The float64 reference runs thousands of tiny ops; intra-op threads only add overhead. Restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,8 @@ from parity.kernels import get_kernels
 from parity.reference.vision import interpolation_matrix, torch_rmsnorm_eps, vision_forward
 from parity.vision import ImagePatches, TowerShape, VisionTower
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny float64 ops (conftest.py)
+
 F64 = torch.float64
 F32_ATOL = F32_RTOL = 2e-5
 HF_ATOL = HF_RTOL = 1e-5
@@ -72,14 +74,6 @@ IMAGE_SIZES = [
 # grids beyond what that preprocessing makes: upsampling the table (past 8), and an extreme aspect ratio
 PATCH_GRIDS = [(12, 10), (2, 16)]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 ops: intra-op threads only add overhead on a loaded machine. Restored after this module."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def vision_tensors(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
