@@ -30,12 +30,15 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-def server_group(url: str) -> int:
-    """The process group of the server listening at `url` (its API process leads it)."""
-    port = int(url.rsplit(":", 1)[1])
-    pid = next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port
-               and c.status == psutil.CONN_LISTEN)
-    return os.getpgid(pid)
+def server_group(url: str) -> int | None:
+    """The process group of the server listening at `url`: its API process, started with `--port PORT`, leads it
+    (found by its command line; a sandboxed host's socket table need not list the listening socket)."""
+    port = str(int(url.rsplit(":", 1)[1]))
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        argv = p.info["cmdline"] or []
+        if any(a == "--port" and b == port for a, b in zip(argv, argv[1:])):
+            return os.getpgid(p.pid)
+    return None
 
 
 def alive(group: int) -> list[int]:
@@ -59,7 +62,7 @@ def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path
     # worker (its own engines and servers) can push it to on a 24 GiB machine: off for this cluster
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    groups: list[int] = []
+    groups: list[int | None] = []
     try:
         with log.open("w") as console:
             proc = subprocess.Popen([str(Path(sys.executable).with_name("zerokl")), "ppo", "--config", str(config),
@@ -73,6 +76,7 @@ def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path
                 time.sleep(0.5)
             urls = re.search(r"rollout servers on Ray: (\S+), (\S+)", log.read_text()).groups()
             groups = [server_group(u) for u in urls]
+            assert None not in groups, (urls, groups, log.read_text()[-4000:])
             os.killpg(groups[1], signal.SIGKILL)  # the second server dies after step 0
             assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
         finally:
