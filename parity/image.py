@@ -24,7 +24,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from parity.config import ModelConfig
 from parity.kernels import Kernels
-from parity.vision import ImagePatches, ImageRows, vision_tower
+from parity.vision import ImageInputs, ImagePatches, ImageRows, vision_tower
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # where an image goes in a prompt: one token per image
@@ -136,26 +136,43 @@ class ImageProcessing:
 
 
 class ImageEncoder:
-    """A trainer's image rows: each image preprocessed (`ImageProcessing`) and run through the checkpoint's vision tower
-    (frozen: no gradient) on a kernel set, once per image object; what the engine computes for it, bit for bit."""
+    """A trainer's images: each preprocessed (`ImageProcessing`) once per image object, and run through the
+    checkpoint's vision tower as loaded (frozen: no gradient) on a kernel set, once per image object; what the engine
+    computes for it, bit for bit. A trainer that trains the tower takes the patches (`inputs`) instead."""
 
     def __init__(self, checkpoint: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], kernels: Kernels):
         self.processing = ImageProcessing.from_checkpoint(checkpoint)
         self.tower = vision_tower(cfg, tensors, kernels, self.processing.side_limit)
         self.token_id = int(cfg.raw["media_placeholder_token_id"])
-        self._done: dict[int, tuple[Image.Image, torch.Tensor]] = {}
+        self._patches: dict[int, tuple[Image.Image, ImagePatches]] = {}
+        self._done: dict[int, tuple[ImagePatches, torch.Tensor]] = {}  # by id of the patches (held with them)
 
-    def rows(self, images: list[tuple[Image.Image, ...]]) -> ImageRows:
-        """`ImageRows` of a batch whose row b holds `images[b]` (in prompt order)."""
-        return ImageRows(self.token_id, tuple(tuple(self.embed(im) for im in row) for row in images))
+    def inputs(self, images: list[tuple[Image.Image, ...]]) -> ImageInputs:
+        """`ImageInputs` of a batch whose row b holds `images[b]` (in prompt order)."""
+        return ImageInputs(self.token_id, tuple(tuple(self.patches(im) for im in row) for row in images))
+
+    def rows(self, images: list[tuple[Image.Image, ...]] | ImageInputs) -> ImageRows:
+        """`ImageRows` (the frozen tower's) of a batch whose row b holds `images[b]`, or of these inputs."""
+        inputs = images if isinstance(images, ImageInputs) else self.inputs(images)
+        return ImageRows(self.token_id, tuple(tuple(self._embed(p) for p in row) for row in inputs.rows))
+
+    def patches(self, image: Image.Image) -> ImagePatches:
+        """One image preprocessed (kept while the image object lives in this encoder)."""
+        if id(image) not in self._patches:
+            self._patches[id(image)] = (image, self.processing(image))
+        return self._patches[id(image)][1]
 
     def embed(self, image: Image.Image) -> torch.Tensor:
-        """One image's merged-token embeddings [tokens, D] (kept while the image object lives in this encoder)."""
-        if id(image) not in self._done:
+        """One image's merged-token embeddings [tokens, D] from the frozen tower."""
+        return self._embed(self.patches(image))
+
+    def _embed(self, patches: ImagePatches) -> torch.Tensor:
+        if id(patches) not in self._done:
             with torch.no_grad():
-                self._done[id(image)] = (image, self.tower(self.processing(image)))
-        return self._done[id(image)][1]
+                self._done[id(patches)] = (patches, self.tower(patches))
+        return self._done[id(patches)][1]
 
     def forget(self) -> None:
-        """Drop the embeddings kept so far (a new batch of images)."""
+        """Drop the patches and embeddings kept so far (a new batch of images)."""
+        self._patches.clear()
         self._done.clear()

@@ -215,6 +215,24 @@ class ImageRows:
                             for b, images in enumerate(self.rows)])
 
 
+@dataclass(frozen=True)
+class ImageInputs:
+    """Each batch row's images as preprocessed patches, in prompt order, and the placeholder token their rows fill:
+    what a trainer whose tower trains takes (its forward runs the tower on its live weights, `embed`)."""
+
+    token_id: int
+    rows: tuple[tuple[ImagePatches, ...], ...]
+
+    def embed(self, tower: VisionTower) -> ImageRows:
+        """The rows `tower` gives these images (an image object held by several rows runs once)."""
+        done: dict[int, torch.Tensor] = {}
+        for row in self.rows:
+            for image in row:
+                if id(image) not in done:
+                    done[id(image)] = tower(image)
+        return ImageRows(self.token_id, tuple(tuple(done[id(image)] for image in row) for row in self.rows))
+
+
 def merge_image_rows(embeds: torch.Tensor, ids: torch.Tensor, media_token_id: int,
                      images: list[torch.Tensor]) -> torch.Tensor:
     """Token embeddings with the image rows replaced, in order, by the images' merged-token embeddings (vLLM's

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+from torch import nn
 
 from parity.config import TextConfig
 from parity.quant import mxfp4
@@ -351,3 +352,18 @@ def bf16_bytes(c: TextConfig) -> int:
     """What the text weights would take with every model-dtype tensor in bf16 (fp32-stored ones in fp32): the
     baseline a quantised sync is compared with."""
     return sum(math.prod(s.shape) * (4 if s.fp32 else 2) for s in text_specs(c).values())
+
+
+def parameter_tree(specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], requires_grad: bool = False) -> nn.Module:
+    """Modules nested along the dotted official names, each leaf an (uninitialised) parameter of the given shape and
+    dtype, so that `named_parameters()` yields exactly the official names."""
+    root = nn.Module()
+    for name, (shape, dtype) in specs.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=requires_grad))
+    return root

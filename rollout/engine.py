@@ -58,13 +58,14 @@ class RolloutEngine:
     kernels: "invariant" (parity mode), "triton" (parity mode on the Triton kernels) or "fast" (plain torch ops: the
     negative control).
     vision: serve the checkpoint's vision tower (prompts may carry images, `ImagePrompt`); default: when it has one.
+    vision_synced: the tower takes weight syncs (full bundles carry its tensors: a run that trains it).
     engine_args: further `vllm.LLM` arguments (max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, prefix_match_unit (prefix hits inside a cache block), num_gpu_blocks_override,
     max_model_len, ...).
     """
 
     def __init__(self, checkpoint: str | Path, kernels: str = "invariant", vision: bool | None = None,
-                 **engine_args: Any):
+                 vision_synced: bool = False, **engine_args: Any):
         fixed = sorted(set(engine_args) & set(_FIXED_ARGS))
         if fixed:
             raise RolloutError(f"RolloutEngine sets {', '.join(fixed)} itself (parity depends on them)")
@@ -75,7 +76,9 @@ class RolloutEngine:
         if vision and model_cfg.vision is None:
             raise RolloutError(f"{checkpoint} has no vision tower (no vision_config): it takes no images")
         self.vision = model_cfg.vision is not None if vision is None else vision
-        overrides = hf_overrides(kernels, model_cfg.model_type, self.vision)
+        if vision_synced and not self.vision:
+            raise RolloutError(f"{checkpoint}: a synced vision tower needs the model served with its vision tower")
+        overrides = hf_overrides(kernels, model_cfg.model_type, self.vision, vision_synced)
         with _engine_core_in_process():
             self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,
                            logprobs_mode="processed_logprobs", enforce_eager=True,

@@ -42,12 +42,12 @@ def engine_flags(engine_args: Mapping[str, Any]) -> list[str]:
 
 class LocalServers:
     """`count` servers of `checkpoint` on free ports of this machine, each with `engine_args`, listening on `host`
-    (127.0.0.1: this machine only; 0.0.0.0: every interface), serving LoRA adapters from `lora.root` when given;
-    `urls` reach them from this machine."""
+    (127.0.0.1: this machine only; 0.0.0.0: every interface), serving LoRA adapters from `lora.root` when given,
+    the vision tower taking weight syncs when `vision_synced`; `urls` reach them from this machine."""
 
     def __init__(self, checkpoint: str | Path, count: int, log_dir: Path, kernels: str = "invariant",
                  engine_args: Mapping[str, Any] | None = None, log: Callable[[str], None] = print,
-                 host: str = "127.0.0.1", lora: LoraServing | None = None):
+                 host: str = "127.0.0.1", lora: LoraServing | None = None, vision_synced: bool = False):
         if count < 1:
             raise RolloutError(f"the number of rollout servers must be >= 1, got {count}")
         cfg = load_model_config(checkpoint)
@@ -60,7 +60,7 @@ class LocalServers:
             for k in range(count):
                 port = free_port(host)
                 argv = serve_argv(checkpoint, kernels, host, port, engine_flags(engine_args or {}),
-                                  cfg.model_type, cfg.text.torch_dtype, lora, cfg.vision is not None)
+                                  cfg.model_type, cfg.text.torch_dtype, lora, cfg.vision is not None, vision_synced)
                 with self.logs[k].open("w") as out:
                     self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                                        env={**os.environ, **serve_env(lora)}, start_new_session=True))
@@ -130,9 +130,10 @@ def _healthy(url: str) -> bool:
 @contextmanager
 def local_servers(checkpoint: str | Path, count: int, log_dir: Path, kernels: str = "invariant",
                   engine_args: Mapping[str, Any] | None = None, log: Callable[[str], None] = print,
-                  lora: LoraServing | None = None) -> Iterator[Sequence[str]]:
+                  lora: LoraServing | None = None, vision_synced: bool = False) -> Iterator[Sequence[str]]:
     """`LocalServers` for a `with` block: their URLs inside, stopped on the way out (errors and Ctrl-C included)."""
-    servers = LocalServers(checkpoint, count, log_dir, kernels, engine_args, log, lora=lora)
+    servers = LocalServers(checkpoint, count, log_dir, kernels, engine_args, log, lora=lora,
+                           vision_synced=vision_synced)
     try:
         yield servers.urls
     finally:

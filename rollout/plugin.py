@@ -11,7 +11,9 @@ architectures stay registered as they are:
   config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`
   is on its MLA list), and MLA mode on CPU forces block 16 / no prefix caching; this model's latent cache is
   its own attention backend, not vLLM's MLA;
-- `zerokl_kernels` -> the parity kernel set ("invariant", or "fast" for negative controls).
+- `zerokl_kernels` -> the parity kernel set ("invariant", or "fast" for negative controls);
+- `zerokl_vision_synced` (with the vision tower): the tower's tensors are parameters that weight syncs carry (a run
+  that trains the tower); without it they are held outside the parameters and syncs neither send nor expect them.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ ARCH = "ZeroKLK3ForCausalLM"
 VISION_ARCH = "ZeroKLK3ForConditionalGeneration"  # K3 with its vision tower (`rollout.vllm_vision`)
 TEXT_MODEL_TYPE = "zerokl_k3_text"
 KERNELS_KEY = "zerokl_kernels"
+VISION_SYNCED_KEY = "zerokl_vision_synced"
 WEIGHT_BACKEND = "zerokl"
 
 
-def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3", vision: bool = False) -> dict[str, Any]:
+def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3", vision: bool = False,
+                 vision_synced: bool = False) -> dict[str, Any]:
     """The `hf_overrides` that serve an official checkpoint of `model_type` ("kimi_k3" or "kimi_linear", the
     checkpoint's `config.json` model_type) with zerokl's model on `kernels`; `vision`: a K3 checkpoint served with
-    its vision tower (images in prompts)."""
+    its vision tower (images in prompts); `vision_synced`: the tower takes weight syncs (its trainer trains it)."""
     from parity.kernels import get_kernels
 
     get_kernels(kernels)  # fail here, in the caller's process, on an unknown kernel set name
@@ -40,7 +44,10 @@ def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3", vision
         raise ValueError(f"zerokl serves model_type kimi_k3 or kimi_linear checkpoints, got {model_type!r}")
     if vision and model_type != "kimi_k3":
         raise ValueError("images need a kimi_k3 checkpoint with a vision_config")
-    return {"architectures": [VISION_ARCH if vision else ARCH], **text, KERNELS_KEY: kernels}
+    if vision_synced and not vision:
+        raise ValueError("a synced vision tower needs the model served with its vision tower (vision=True)")
+    synced = {VISION_SYNCED_KEY: True} if vision_synced else {}
+    return {"architectures": [VISION_ARCH if vision else ARCH], **text, KERNELS_KEY: kernels, **synced}
 
 
 def register() -> None:

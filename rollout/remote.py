@@ -130,6 +130,7 @@ class RemoteRollout:
                                f"{ {u: w['version'] for u, w in held.items()} }")
         self.version = versions.pop()
         self.checksums = {u: w["checksum"] for u, w in held.items()}
+        self.vision_synced = {u: bool(w.get("vision_synced")) for u, w in held.items()}  # the tower takes syncs
 
     @property
     def policy_version(self) -> int:
@@ -193,6 +194,7 @@ class RemoteRollout:
             self.servers.remove(server)
             self.dropped.append(server)
             self.checksums.pop(server.url, None)
+            self.vision_synced.pop(server.url, None)
             self.log(f"rollout server {server.url} failed ({error}); {len(self.servers)} left, its requests retried "
                      "on them")
 

@@ -55,15 +55,15 @@ class LoraServing:
 
 def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "127.0.0.1", port: int = 8000,
                vllm_args: Sequence[str] = (), model_type: str = "kimi_k3", dtype: str = "bfloat16",
-               lora: LoraServing | None = None, vision: bool = False) -> list[str]:
+               lora: LoraServing | None = None, vision: bool = False, vision_synced: bool = False) -> list[str]:
     """The server command line (argv[0] is this Python); `model_type` ("kimi_k3" or "kimi_linear"), `dtype` (its
     torch_dtype, the compute dtype) and `vision` (it has a vision tower: requests may carry images) are the
-    checkpoint's: `run` reads them from it."""
+    checkpoint's: `run` reads them from it; `vision_synced`: the tower takes weight syncs (a run that trains it)."""
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(checkpoint),
         "--dtype", dtype,
-        "--hf-overrides", json.dumps(hf_overrides(kernels, model_type, vision)),
+        "--hf-overrides", json.dumps(hf_overrides(kernels, model_type, vision, vision_synced)),
         "--logprobs-mode", "processed_logprobs",
         "--enforce-eager",
         "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
@@ -98,6 +98,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "(zerokl lora push)")
     p.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (with --lora-root)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (with --lora-root)")
+    p.add_argument("--sync-vision-tower", action="store_true",
+                   help="the vision tower takes weight syncs with the text weights (for a PPO run with "
+                        "vision_tower: trainable); default: it stays as loaded and syncs carry text weights only")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="further api_server flags after '--' (e.g. -- --max-model-len 4096)")
     p.set_defaults(func=run)
@@ -121,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
         lora = LoraServing(Path(args.lora_root), args.max_loras, args.max_lora_rank)
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     cfg = load_model_config(args.checkpoint)
+    if args.sync_vision_tower and cfg.vision is None:
+        print(f"zerokl: error: --sync-vision-tower: {args.checkpoint} has no vision tower (no vision_config)",
+              file=sys.stderr)
+        return 2
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,
-                      lora, cfg.vision is not None)
+                      lora, cfg.vision is not None, args.sync_vision_tower)
     os.execve(argv[0], argv, {**os.environ, **serve_env(lora)})

@@ -13,7 +13,8 @@ scale-out token-in/token-out route (`/inference/v1/generate`). This middleware:
   drops the prefix cache (its latents and states came from the old weights), whatever the client sent;
 - refuses, with HTTP 409, a generation request whose `X-ZeroKL-Weight-Version` header names a version the server
   does not hold (a request is never silently served by other weights than the ones its client expects);
-- adds `GET /zerokl/weights` (`{"version": N, "checksum": C}`, from the live parameters: `rollout.server_worker`),
+- adds `GET /zerokl/weights` (`{"version": N, "checksum": C, "vision_synced": B}`, from the live parameters:
+  `rollout.server_worker`; B: the vision tower is among them, `zerokl serve --sync-vision-tower`),
   `POST /zerokl/abort_weight_update`, `POST /zerokl/records/start` and `POST /zerokl/records {"request_ids": [...]}`
   (the raw log-probs and expert choices of recorded requests).
 """

@@ -32,7 +32,8 @@ class ServerWorker:
     def zerokl_weights(self) -> dict[str, Any]:
         engine = self.weight_transfer_engine
         params = dict(self.model_runner.get_model().named_parameters())
-        return {"version": engine.version, "checksum": weights_checksum({n: checksum(p) for n, p in params.items()})}
+        return {"version": engine.version, "checksum": weights_checksum({n: checksum(p) for n, p in params.items()}),
+                "vision_synced": bool(getattr(self.model_runner.get_model(), "vision_synced", False))}
 
     def zerokl_abort_weight_update(self) -> None:
         self.weight_transfer_engine.abort_weight_update()

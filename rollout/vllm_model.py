@@ -30,7 +30,8 @@ from parity.model import K3Forward, K3Weights, KDACache, record_routing
 from parity.quant import fp8
 from parity.routing import NOT_COMPUTED
 from parity.quant.mxfp4 import MXFP4Weight
-from parity.weights import is_quantized, official_name, packed_names, serving_dtype, stored_specs, text_specs
+from parity.weights import (is_quantized, official_name, packed_names, parameter_tree, serving_dtype, stored_specs,
+                            text_specs)
 from rollout import vllm_compat
 from lora.targets import suffixes
 from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes
@@ -69,21 +70,6 @@ def _copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: 
     return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
 
 
-def _param_tree(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> nn.Module:
-    """Modules nested along the dotted official names, each leaf a parameter of the given shape and dtype, so that
-    `named_parameters()` yields exactly the official names."""
-    root = nn.Module()
-    for name, (shape, dtype) in specs.items():
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if part not in mod._modules:
-                mod.add_module(part, nn.Module())
-            mod = mod._modules[part]
-        mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
-    return root
-
-
 class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching, SupportsLoRA):
     """K3 text model on the parity kernels, with vLLM-managed MLA latent and KDA state caches, and vLLM LoRA
     computed by the parity kernels (`rollout.lora_table`)."""
@@ -108,8 +94,9 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         self.cfg = cfg
         self.kernels = get_kernels(_kernels_name(vllm_config))
         stored = stored_specs(cfg)
-        self.skipped_names = frozenset(all_specs(model_cfg)) - frozenset(stored)
-        root = _param_tree({name: (spec.shape, serving_dtype(cfg, spec)) for name, spec in stored.items()})
+        self.text_names = frozenset(stored)
+        self.skipped_names = frozenset(all_specs(model_cfg)) - self.text_names
+        root = parameter_tree({name: (spec.shape, serving_dtype(cfg, spec)) for name, spec in stored.items()})
         for name, child in root.named_children():
             self.add_module(name, child)
         self.fwd = K3Forward(K3Weights(cfg, self._compute_tensors()), self.kernels)
@@ -216,7 +203,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
                                       f"config says {tuple(params[name].shape)}")
             params[name].data.copy_(tensor.to(params[name].dtype))
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(self.text_names - loaded)
         if missing:
             raise ModelSetupError(f"checkpoint lacks {len(missing)} K3 weights, first: {missing[0]}")
         return loaded

@@ -10,8 +10,11 @@ own K3 processor (`vllm/models/kimi_k3/common/mm_preprocess.py`: each `<|kimi_im
 block by the images' hashes. Each image runs alone through the tower on the parity kernels, so its rows are the bits
 the trainer computes for it (`trainer.logprobs.PaddedBatch.images`).
 
-The tower's tensors are held outside the module's parameters: it is frozen in training, so weight syncs (which carry
-the trainer's parameters) neither send nor expect it.
+Where the tower's tensors live follows the trainer: frozen (the default), they are held outside the module's
+parameters, so weight syncs (which carry the parameters) neither send nor expect them; served `zerokl_vision_synced`
+(`rollout.plugin.hf_overrides(vision_synced=True)`, a run that trains the tower), they are parameters under their
+official names in the compute dtype, and every full sync carries them with the text weights (the tower reads the
+parameters themselves, so a sync rewrites it in place).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 
 from parity.image import IMAGE_PLACEHOLDER, ImageProcessing
 from parity.io.vision import vision_specs
-from parity.vision import ImagePatches, VisionTower, vision_tower
+from parity.vision import ImagePatches, TowerShape, VisionTower
+from parity.weights import parameter_tree
+from rollout.plugin import VISION_SYNCED_KEY
 from rollout.vllm_model import ModelSetupError, ZeroKLK3ForCausalLM, checkpoint_config
 from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import SupportsMultiModal
@@ -51,26 +56,43 @@ class ZeroKLK3ForConditionalGeneration(ZeroKLK3ForCausalLM, SupportsMultiModal):
         if self.model_cfg.vision is None:
             raise ModelSetupError("this checkpoint has no vision_config: serve it as a text model")
         self.processing = ImageProcessing.from_checkpoint(vllm_config.model_config.model)
-        self.vision_names = frozenset(vision_specs(self.model_cfg.vision, self.cfg.hidden_size))
-        self.tower: VisionTower | None = None  # built by `load_weights`
+        specs = vision_specs(self.model_cfg.vision, self.cfg.hidden_size)
+        self.vision_names = frozenset(specs)
+        shapes = {n: (spec.shape, self.cfg.compute_dtype) for n, spec in specs.items()}
+        self.vision_synced = bool(getattr(vllm_config.model_config.hf_config, VISION_SYNCED_KEY, False))
+        if self.vision_synced:
+            for name, child in parameter_tree(shapes).named_children():
+                self.add_module(name, child)
+            params = dict(self.named_parameters())
+            weights = {n: params[n] for n in specs}
+        else:
+            weights = {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in shapes.items()}
+        self.tower = VisionTower(TowerShape.from_config(self.model_cfg.vision, self.processing.side_limit), weights,
+                                 self.kernels, self.cfg.compute_dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The text tensors as `ZeroKLK3ForCausalLM.load_weights` loads them; the vision tensors into the tower."""
-        held: dict[str, torch.Tensor] = {}
+        """The text tensors as `ZeroKLK3ForCausalLM.load_weights` loads them; the vision tensors into the tower, cast
+        to the compute dtype."""
+        held: set[str] = set()
 
         def text_only() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 if name in self.vision_names:
-                    held[name] = tensor.clone()
+                    target = self.tower.w[name]
+                    if tuple(tensor.shape) != tuple(target.shape):
+                        raise ModelSetupError(f"{name}: checkpoint shape {tuple(tensor.shape)}, config says "
+                                              f"{tuple(target.shape)}")
+                    with torch.no_grad():
+                        target.copy_(tensor.to(target.dtype))
+                    held.add(name)
                 else:
                     yield name, tensor
 
         loaded = super().load_weights(text_only())
-        missing = sorted(self.vision_names - set(held))
+        missing = sorted(self.vision_names - held)
         if missing:
             raise ModelSetupError(f"checkpoint lacks {len(missing)} vision tensors, first: {missing[0]}")
-        self.tower = vision_tower(self.model_cfg, held, self.kernels, self.processing.side_limit)
-        return loaded
+        return loaded | held
 
     def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
         """pixel_values [patches of every image, 3, p, p], grid_thws [images, 3] -> one [tokens, D] per image, each
@@ -80,7 +102,7 @@ class ZeroKLK3ForConditionalGeneration(ZeroKLK3ForCausalLM, SupportsMultiModal):
             return []
         if isinstance(pixels, list):
             pixels = torch.cat(pixels)
-        assert isinstance(pixels, torch.Tensor) and isinstance(grids, torch.Tensor) and self.tower is not None
+        assert isinstance(pixels, torch.Tensor) and isinstance(grids, torch.Tensor)
         merge = self.tower.shape.merge
         out, start = [], 0
         for t, h, w in grids.reshape(-1, 3).tolist():

@@ -112,11 +112,14 @@ def running_server(argv: Sequence[str], port: int, log: Path, start_timeout: flo
 def ppo_config_file(out: Path, base: str, checkpoint: Path, steps: int, checkpoint_every: int = 2,
                     **keys: object) -> Path:
     """The PPO config `base` (a path under the repo) run on `checkpoint` for `steps` steps, a checkpoint every
-    `checkpoint_every`, no wandb, `keys` (keys the file has) set, written to `out/ppo.yaml`."""
+    `checkpoint_every`, no wandb, `keys` set (replaced where the file has them, else added), written to
+    `out/ppo.yaml`."""
     text = (Path(__file__).resolve().parents[1] / base).read_text()
     for key, value in (("model", checkpoint), ("steps", steps), ("checkpoint_every", checkpoint_every),
                        ("wandb", "disabled"), *keys.items()):
-        text = re.sub(rf"^{key}: .*$", f"{key}: {value}", text, count=1, flags=re.M)
+        text, found = re.subn(rf"^{key}: .*$", f"{key}: {value}", text, count=1, flags=re.M)
+        if not found:
+            text += f"\n{key}: {value}\n"
     path = out / "ppo.yaml"
     path.write_text(text)
     return path

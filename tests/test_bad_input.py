@@ -104,6 +104,11 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"min_p": "-0.1"}, "min_p must be in [0, 1], got -0.1"),
     ({"top_p": "0.7", "kl_coef": "0.05"}, "kl_coef > 0 with top_k / top_p / min_p is refused"),
     ({"logprobs_mode": "raw"}, "logprobs_mode must be one of processed_logprobs, raw_logprobs, got 'raw'"),
+    ({"vision_tower": "true"}, "vision_tower must be a string, got True"),
+    ({"vision_tower": "train"}, "vision_tower must be one of frozen, trainable, got 'train'"),
+    ({"vision_tower": "trainable", "backend": "deepspeed"}, "vision_tower: trainable with backend: deepspeed is not"),
+    ({"vision_tower": "trainable", "lora": "true"}, "vision_tower: trainable with lora: true is not supported"),
+    ({"vision_tower": "trainable", "max_staleness": "1"}, "vision_tower: trainable with max_staleness > 0 is not"),
 ])
 def test_ppo_config_values_are_checked(keys: dict[str, str], says: str, k3_tiny: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,6 +133,9 @@ def test_ppo_image_task_needs_a_vision_tower(kimi_linear_tiny: Path, tmp_path: P
     config = _ppo_config(tmp_path, kimi_linear_tiny, task="squares", task_args="{max_count: 3}")
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config),
                 "task squares gives images, but model")
+    config = _ppo_config(tmp_path, kimi_linear_tiny, vision_tower="trainable")
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config),
+                "vision_tower: trainable, but model")
     assert not (tmp_path / "out").exists()
 
 

@@ -2,8 +2,9 @@
 rollout servers and the trainer as Ray actors in one placement group (k3-tiny-mxfp4, `sync: torch_distributed`: the
 trainer actor broadcasts over the node's address into both servers' workers every step). One server is killed after
 step 0 and the run goes on with the other, its prompts retried there; the prompts carry pictures (task `squares`, sent
-to the servers as PNG content parts); every step's log-probs, raw log-probs and expert choices are bitwise the
-trainer's; the servers, the actors and the placement group are gone when the command returns.
+to the servers as PNG content parts) and the vision tower trains (`vision_tower: trainable`: the servers are started
+to take its syncs); every step's log-probs, raw log-probs and expert choices are bitwise the trainer's; the servers,
+the actors and the placement group are gone when the command returns.
 (`--num-rollout-servers` without Ray: tests/test_rollout_servers.py.)
 """
 
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from helpers import PPO_REFERENCE_CONFIG, ppo_config_file
+from parity.io.checkpoint import load_checkpoint
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a Ray cluster, two servers and a trainer: scheduled first (conftest.py)
@@ -56,7 +59,8 @@ def alive(group: int) -> list[int]:
 def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=STEPS,
-                             sync="torch_distributed", task="squares", task_args="{max_count: 4}")
+                             sync="torch_distributed", task="squares", task_args="{max_count: 4}",
+                             vision_tower="trainable")
     out, log = tmp_path / "run", tmp_path / "console.log"
     # Ray's memory monitor kills a worker when the whole host passes 95% of its memory, which the suite's other
     # worker (its own engines and servers) can push it to on a 24 GiB machine: off for this cluster
@@ -95,3 +99,7 @@ def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path
     for m in metrics:
         assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["raw_bitwise_equal_frac"] == 1.0 \
             and m["routing_agreement"] == 1.0 and m["policy_version"] == m["step"], m
+    trained = torch.load(out / "checkpoints" / f"step-{STEPS}" / "weights.pt")
+    base = load_checkpoint(k3_tiny_mxfp4)[1]
+    tower = [n for n in base if n.startswith(("vision_tower.", "mm_projector."))]
+    assert tower and all(not torch.equal(trained[n].to(base[n].dtype), base[n]) for n in tower)

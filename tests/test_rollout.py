@@ -295,15 +295,20 @@ def test_load_weights_takes_official_names_and_refuses_leftovers(checkpoint: Pat
         model.load_weights([(n, t) for n, t in tensors.items() if n != first])
 
 
-def test_serve_command_line(tmp_path: Path) -> None:
+def test_serve_command_line(tmp_path: Path, kimi_linear_tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     serve.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--checkpoint", str(tmp_path), "--", "--max-model-len", "64"])
     assert args.vllm_args == ["--", "--max-model-len", "64"]
     assert args.func(args) == 2  # not a checkpoint directory: one error line, no server
+    args = parser.parse_args(["serve", "--checkpoint", str(kimi_linear_tiny), "--sync-vision-tower"])
+    assert args.func(args) == 2 and "--sync-vision-tower" in capsys.readouterr().err  # no tower to sync
     argv = serve.serve_argv(tmp_path, kernels="fast", port=1234, vllm_args=["--max-model-len", "64"])
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and argv[-2:] == ["--max-model-len", "64"]
-    assert json.loads(argv[argv.index("--hf-overrides") + 1])["zerokl_kernels"] == "fast"
+    overrides = json.loads(argv[argv.index("--hf-overrides") + 1])
+    assert overrides["zerokl_kernels"] == "fast" and "zerokl_vision_synced" not in overrides
+    argv = serve.serve_argv(tmp_path, vision=True, vision_synced=True)
+    assert json.loads(argv[argv.index("--hf-overrides") + 1])["zerokl_vision_synced"] is True
 
 
 def _post(url: str, body: dict) -> dict:

@@ -96,10 +96,25 @@ def test_image_prompts_over_the_server_equal_the_engine(k3_server: tuple[str, Pa
         both = (g.routing != NOT_COMPUTED) & (w.routing != NOT_COMPUTED)  # a prefix hit on either side computes less
         assert bool(both[-6:].all()) and torch.equal(g.routing[both], w.routing[both])
     assert len(got[0].prompt_ids) > len(prompts[0].token_ids)  # the image's tokens
+    assert remote.vision_synced == {k3_server[0]: False}  # its tower stays as loaded (no --sync-vision-tower)
     again = remote.generate(prompts[:1], n=2, max_tokens=6, seed=[sample_seed(11, 0)])
     assert all(a.cached_tokens >= 128 for a in again), [a.cached_tokens for a in again]
     assert all(torch.equal(a.logprobs, g.logprobs) and a.completion_ids == g.completion_ids
                for a, g in zip(again, got[:2]))
+
+
+def test_a_run_training_the_tower_refuses_a_server_holding_it_frozen(k3_server: tuple[str, Path], k3_tiny: Path,
+                                                                    tmp_path: Path) -> None:
+    """`vision_tower: trainable` against a server started without `--sync-vision-tower`: refused before any step or
+    sync, naming the flag."""
+    config = ppo_config_file(tmp_path, "configs/ppo-tiny-vision.yaml", k3_tiny, steps=1,
+                             rollout_servers=f"[{k3_server[0]}]", vision_tower="trainable")
+    done = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", "--config", str(config), "--out",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"rollout server {k3_server[0]} holds its vision tower as loaded" in done.stderr \
+        and "zerokl serve --sync-vision-tower" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_lora_ppo_on_a_server_it_starts(k3_tiny: Path, tmp_path: Path) -> None:

@@ -81,8 +81,8 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def export_official(self) -> dict[str, torch.Tensor]:
-        """Every checkpoint tensor by official name: text tensors as the fp32 masters, the others (vision tower) as
-        loaded; on rank 0. Megatron's may be views of the live parameters: copy what must outlive the next step."""
+        """Every checkpoint tensor by official name: text tensors (and a vision tower the backend trains) as the fp32
+        masters, the others (a frozen vision tower) as loaded; on rank 0. Megatron's may be views of the live parameters: copy what must outlive the next step."""
 
     @abstractmethod
     def export_adapter(self) -> Adapter | None:

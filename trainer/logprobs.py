@@ -15,28 +15,28 @@ same bits either way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from parity.kernels.logprobs import Sampling, processed_logits
 from parity.model import K3Forward, new_cache
-from parity.vision import ImageRows
+from parity.vision import ImageInputs, ImageRows
 
 
 @dataclass(frozen=True)
 class PaddedBatch:
     """input_ids: [B, T] int64, right-padded; lens: [B] int64 (each >= 1); images: each row's image embeddings, which
-    fill its image placeholder rows (None: text only)."""
+    fill its image placeholder rows, or its images' patches for a trainer that trains its tower (None: text only)."""
 
     input_ids: torch.Tensor
     lens: torch.Tensor
-    images: ImageRows | None = None
+    images: ImageRows | ImageInputs | None = None
 
     @classmethod
     def from_sequences(cls, seqs: Sequence[Sequence[int]], pad_id: int = 0,
-                       images: ImageRows | None = None) -> PaddedBatch:
+                       images: ImageRows | ImageInputs | None = None) -> PaddedBatch:
         lens = torch.tensor([len(s) for s in seqs])
         ids = torch.full((len(seqs), int(lens.max())), pad_id, dtype=torch.long)
         for i, s in enumerate(seqs):
@@ -45,11 +45,11 @@ class PaddedBatch:
 
     def select(self, rows: torch.Tensor) -> PaddedBatch:
         """The batch of rows `rows` (a 1-D index), their images with them."""
-        images = None if self.images is None else ImageRows(self.images.token_id,
-                                                             tuple(self.images.rows[i] for i in rows.tolist()))
+        images = None if self.images is None else replace(self.images,
+                                                          rows=tuple(self.images.rows[i] for i in rows.tolist()))
         return PaddedBatch(self.input_ids[rows], self.lens[rows], images)
 
-    def model_kwargs(self) -> dict[str, ImageRows]:
+    def model_kwargs(self) -> dict[str, ImageRows | ImageInputs]:
         """What a trainer model's forward takes beside the ids: the rows' images, when there are any."""
         return {} if self.images is None else {"images": self.images}
 

@@ -28,13 +28,14 @@ class MegatronBackend(TrainerBackend):
     name = "megatron"
 
     def __init__(self, checkpoint: Path, lr: float, clip_grad: float, weight_decay: float, kernels: str,
-                 adapter: Adapter | None, value_head_lr: float | None = None):
+                 adapter: Adapter | None, value_head_lr: float | None = None, train_vision: bool = False):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ConfigError("the megatron backend runs in one process (TP = EP = 1); "
                               "train on several processes with the deepspeed backend")
         self.par = init_parallel(1, 1)
         self.trainer = build_trainer(checkpoint, self.par, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
-                                     kernels=kernels, adapter=adapter, value_head_lr=value_head_lr)
+                                     kernels=kernels, adapter=adapter, value_head_lr=value_head_lr,
+                                     train_vision=train_vision)
         self.model_cfg = self.trainer.module.config.k3
         self.has_adapter = adapter is not None
 

@@ -35,8 +35,9 @@ _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 def load_official(model: MegatronK3Model, weights: dict[str, torch.Tensor]) -> list[str]:
     """Copy this rank's shard of every official text tensor into `model`; returns the names loaded here.
 
-    Fails naming the first missing text tensor, unexpected text tensor, or shape mismatch; tensors outside the
-    text model (vision tower) are kept verbatim in `model.passthrough` for export.
+    Fails naming the first missing text tensor, unexpected text tensor, or shape mismatch; the vision tower goes
+    into its parameters when the model trains it (`MegatronK3Model.add_vision_tower`); other tensors outside the
+    text model (a frozen vision tower) are kept verbatim in `model.passthrough` for export.
     """
     roles = split_roles(model.config.k3.text)
     missing = [n for n in roles if n not in weights]
@@ -54,11 +55,20 @@ def load_official(model: MegatronK3Model, weights: dict[str, torch.Tensor]) -> l
                 raise CheckpointError(f"{name}: shard {tuple(part.shape)} does not fit parameter {tuple(param.shape)}")
             param.copy_(part)
             loaded.append(name)
+        for name, param in model.vision_parameters().items():
+            if name not in weights:
+                raise CheckpointError(f"vision tensor {name} missing")
+            if weights[name].shape != param.shape:
+                raise CheckpointError(f"{name}: {tuple(weights[name].shape)} does not fit parameter "
+                                      f"{tuple(param.shape)}")
+            param.copy_(weights[name])
+            loaded.append(name)
     unplaced = sorted(n for n in set(roles) - set(loaded) if roles[n] is not Split.EXPERT)  # experts: other EP ranks
     if unplaced:
         raise CheckpointError(f"model has no parameter for {unplaced[0]}")
-    model.storage_dtypes = {n: weights[n].dtype for n in roles}
-    model.passthrough = {n: t for n, t in weights.items() if n not in roles}
+    vision = model.vision_parameters()
+    model.storage_dtypes = {n: weights[n].dtype for n in [*roles, *vision]}
+    model.passthrough = {n: t for n, t in weights.items() if n not in roles and n not in vision}
     return loaded
 
 
@@ -77,9 +87,9 @@ def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor
 def export_official(model: MegatronK3Model, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor, whole and in its checkpoint dtype, on every rank (collective: all ranks call).
 
-    compute_dtype: keep the trained text tensors in the parameters' dtype (fp32 master weights) instead of
-    casting to the checkpoint's storage dtype; weight sync into a rollout engine needs the exact bits the
-    trainer computes with."""
+    compute_dtype: keep the trained tensors (text, and a trained vision tower) in the parameters' dtype (fp32 master
+    weights) instead of casting to the checkpoint's storage dtype; weight sync into a rollout engine needs the exact
+    bits the trainer computes with."""
     roles = split_roles(model.config.k3.text)
     params = {n: p.detach() for n, p in model.official_parameters().items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -98,7 +108,8 @@ def export_official(model: MegatronK3Model, compute_dtype: bool = False) -> dict
             full[name] = _gather(params[name], split.tp_dim, tp_group)
         else:
             full[name] = params[name]
-    out = {n: full[n] if compute_dtype else full[n].to(model.storage_dtypes[n]) for n in roles}
+    full.update({n: p.detach() for n, p in model.vision_parameters().items()})
+    out = {n: full[n] if compute_dtype else full[n].to(model.storage_dtypes[n]) for n in [*roles, *model.vision_parameters()]}
     out.update(model.passthrough)
     return out
 

@@ -30,11 +30,13 @@ from megatron.core.transformer.module import MegatronModule
 from torch import nn
 
 from lora.spec import LoraSpec
-from parity.weights import kda_specs, text_names, text_specs
+from parity.io.vision import vision_specs
+from parity.kernels import get_kernels
+from parity.weights import kda_specs, parameter_tree, text_names, text_specs
 from trainer.megatron.config import K3TransformerConfig
 from trainer.megatron.forward import ParallelK3Forward
 from parity.kernels.logprobs import Sampling
-from parity.vision import ImageRows
+from parity.vision import ImageInputs, ImageRows, TowerShape, VisionTower
 from trainer.logprobs import padded_logprobs
 from trainer.megatron.sharding import lora_splits, split_of
 
@@ -292,12 +294,45 @@ class MegatronK3Model(MegatronModule):
         self.lora_scales: dict[str, float] = {}
         self.lora_spec: LoraSpec | None = None
         self.value_head: Weight | None = None
+        self.vision: nn.Module | None = None
+        self.vision_shape: TowerShape | None = None
 
     def official_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters under their official text tensor names (local shards, local experts); no LoRA, no
-        value head."""
+        value head, no vision tower."""
         return {f"{self.root}{name}": p for name, p in self.named_parameters()
-                if not _is_lora(name) and not name.startswith(VALUE_HEAD_PREFIX)}
+                if not _is_lora(name) and not name.startswith((VALUE_HEAD_PREFIX, VISION_PREFIX))}
+
+    def vision_parameters(self) -> dict[str, nn.Parameter]:
+        """The trained vision tower's parameters under their official names (whole on every rank); {} when it is
+        frozen (`add_vision_tower` not called)."""
+        return {name.removeprefix(VISION_PREFIX): p for name, p in self.named_parameters()
+                if name.startswith(VISION_PREFIX)}
+
+    def add_vision_tower(self, max_grid_side: int) -> None:
+        """Train the checkpoint's vision tower: its tensors become fp32 master parameters (uninitialised: fill them
+        with `trainer.megatron.io.load_official`), replicated on every rank, and the forward runs the tower on its
+        live weights for `ImageInputs` (`max_grid_side`: the preprocessor's side limit, which fixes the RoPE table as
+        the engine's). Call before wrapping in DDP (which registers trainable parameters)."""
+        k3 = self.config.k3
+        if k3.vision is None:
+            raise ValueError("this checkpoint has no vision tower (no vision_config)")
+        if self.vision is not None:
+            raise ValueError("the model already trains its vision tower")
+        device = self.model.embed_tokens.weight.device
+        specs = vision_specs(k3.vision, k3.text.hidden_size)
+        with torch.device(device):
+            self.vision = parameter_tree({n: (spec.shape, self.config.params_dtype) for n, spec in specs.items()},
+                                         requires_grad=True)
+        self.vision_shape = TowerShape.from_config(k3.vision, max_grid_side)
+
+    def vision_tower(self) -> VisionTower:
+        """The tower over the live vision parameters, cast to the compute dtype (as the engine holds them)."""
+        if self.vision_shape is None:
+            raise ValueError("image patches given to a model whose vision tower is frozen: give it ImageRows")
+        dtype = self.config.k3.text.compute_dtype
+        weights = {n: p.to(dtype) for n, p in self.vision_parameters().items()}
+        return VisionTower(self.vision_shape, weights, get_kernels(self.config.kernels), dtype)
 
     def add_value_head(self) -> None:
         """A critic for GAE: a [1, hidden + 1] fp32 affine map (weights, then a bias: the mean return needs no
@@ -341,19 +376,23 @@ class MegatronK3Model(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, lens: torch.Tensor, temperature: float | Sampling,
                 entropy: bool = False, values: bool = False, raw: bool = False,
-                images: ImageRows | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                images: ImageRows | ImageInputs | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """input_ids: [B, T] right-padded int64, lens: [B] -> lp: [B, T] (`trainer.logprobs.padded_logprobs`; with
         `raw`, `entropy` and / or `values` (the value head's), a tuple (lp, [raw,] [entropy,] [values])), on the
-        parameters' device (the forward's own tensors are made there too)."""
+        parameters' device (the forward's own tensors are made there too). `images`: the frozen tower's rows, or,
+        when the model trains its tower, the patches it runs through it."""
         if values and self.value_head is None:
             raise ValueError("values asked of a model without a value head (add_value_head)")
         device = self.model.embed_tokens.weight.device
         with torch.device(device):
+            if isinstance(images, ImageInputs):
+                images = images.embed(self.vision_tower())
             return padded_logprobs(ParallelK3Forward.for_model(self), input_ids.to(device), lens.to(device), temperature,
                                    entropy, self.value_head.weight if values else None, raw, images)
 
 
 VALUE_HEAD_PREFIX = "value_head."  # the value head's parameter name in the module (`add_value_head`)
+VISION_PREFIX = "vision."  # the trained vision tower's parameters in the module (`add_vision_tower`)
 
 
 def _is_lora(name: str) -> bool:

@@ -19,6 +19,7 @@ from megatron.core.optimizer import (MegatronOptimizer, OptimizerConfig, ParamKe
 
 from lora.adapter import Adapter
 from parity.config import ModelConfig
+from parity.image import ImageProcessing
 from trainer.megatron.io import load_adapter, load_official
 from trainer.megatron.config import k3_transformer_config
 from trainer.megatron.modules import VALUE_HEAD_PREFIX, MegatronK3Model
@@ -38,11 +39,14 @@ class Trainer:
 
 def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: ParallelContext,
                 kernels: str = "invariant", params_dtype: torch.dtype = torch.float32,
-                adapter: Adapter | None = None) -> MegatronK3Model:
+                adapter: Adapter | None = None, vision_grid_side: int | None = None) -> MegatronK3Model:
     """A `MegatronK3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names), and of
-    `adapter` when given (then every base parameter is frozen)."""
+    `adapter` when given (then every base parameter is frozen); with `vision_grid_side` (the preprocessor's side
+    limit) it trains the vision tower too (`MegatronK3Model.add_vision_tower`)."""
     with torch.device(par.device):
         model = MegatronK3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
+    if vision_grid_side is not None:
+        model.add_vision_tower(vision_grid_side)
     load_official(model, weights)
     if adapter is not None:
         load_adapter(model, adapter)
@@ -51,13 +55,15 @@ def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: P
 
 def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_grad: float = 1.0,
                   weight_decay: float = 0.0, kernels: str = "invariant", adapter: Adapter | None = None,
-                  value_head_lr: float | None = None) -> Trainer:
+                  value_head_lr: float | None = None, train_vision: bool = False) -> Trainer:
     """Load `checkpoint` (and `adapter`: LoRA training, base frozen), add a value head when `value_head_lr` is given
     (`MegatronK3Model.add_value_head`: trained with the model, in its own parameter group at that learning rate),
-    wrap the model in Megatron's DDP (fp32 grads) and build Megatron's Adam over the trainable parameters."""
+    train the vision tower with the text model when `train_vision`, wrap the model in Megatron's DDP (fp32 grads) and
+    build Megatron's Adam over the trainable parameters."""
     model_cfg, weights = load_checkpoint(checkpoint)
     masters = master_weights(model_cfg.text, weights)  # MXFP4 experts dequantised to fp32 masters (exact)
-    module = build_model(model_cfg, masters, par, kernels, adapter=adapter)
+    side = ImageProcessing.from_checkpoint(checkpoint).side_limit if train_vision else None
+    module = build_model(model_cfg, masters, par, kernels, adapter=adapter, vision_grid_side=side)
     if value_head_lr is not None:
         module.add_value_head()
     return wrap(module, lr, clip_grad, weight_decay, value_head_lr)

@@ -119,7 +119,7 @@ def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
     checkpoint = base_checkpoint(cfg, out)
     lora = server_lora(cfg, checkpoint, args.resume, out / "served-adapters")
     with local_servers(checkpoint, cfg.num_rollout_servers, out / "servers", cfg.kernels, ENGINE_ARGS,
-                       lora=lora) as urls:
+                       lora=lora, vision_synced=cfg.vision_tower == "trainable") as urls:
         if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
             from zerokl.launch import launch
             return launch([*sys.argv[1:], "--num-rollout-servers", "0", "--rollout-servers", ",".join(urls)],

@@ -79,6 +79,8 @@ class PPOConfig:
     lora_alpha: float | None = None  # lora only (LORA_DEFAULTS)
     lora_targets: list[str] | None = None  # target_modules suffixes; None: every supported projection
     lora_init: str | None = None  # start from this PEFT adapter directory instead of PEFT's init (B = 0)
+    vision_tower: str = "frozen"  # a model with a vision tower: frozen, or trainable (trained with the text model and
+    # carried by every weight sync)
 
     @property
     def sampling(self) -> Sampling:
@@ -187,6 +189,7 @@ class PPOConfig:
         for name in ("kl_coef", "entropy_coef", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"ppo config: {name} must be >= 0, got {getattr(self, name)}")
+        self._check_vision_tower()
         if self.advantage == "gae":
             self._check_gae()
         else:
@@ -194,6 +197,23 @@ class PPOConfig:
                 if getattr(self, name) is not None:
                     raise ConfigError(f"ppo config: {name} is only read with advantage: gae (the value head); "
                                       f"drop {name} or set advantage: gae")
+
+    def _check_vision_tower(self) -> None:
+        """vision_tower: trainable needs a tower and what trains it here: the megatron backend, full weights, this
+        process's engine, the current version's weights for every check."""
+        _choice("vision_tower", self.vision_tower, ("frozen", "trainable"))
+        if self.vision_tower == "frozen":
+            return
+        if Path(self.model).exists() and load_model_config(self.model).vision is None:
+            raise ConfigError(f"ppo config: vision_tower: trainable, but model {self.model} has no vision tower "
+                              "(vision_config); drop vision_tower")
+        refused = {"backend: deepspeed": (self.backend == "deepspeed", "the tower trains on the megatron backend"),
+                   "lora: true": (self.lora, "lora freezes the base and syncs the adapter alone"),
+                   "max_staleness > 0": (self.max_staleness > 0, "the kept versions' check runs the tower as loaded")}
+        for what, (given, why) in refused.items():
+            if given:
+                raise ConfigError(f"ppo config: vision_tower: trainable with {what} is not supported ({why}); "
+                                  "use vision_tower: frozen")
 
     def _check_rollout_servers(self) -> None:
         """rollout_servers (URLs) or num_rollout_servers (started here), not both; what they do not run."""

@@ -99,7 +99,8 @@ from parity.image import ImageEncoder
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, record_routing
 from parity.routing import per_sequence, routing_agreement
-from parity.vision import ImageRows
+from parity.io.vision import vision_specs
+from parity.vision import ImageInputs, ImageRows
 from rollout.sampling import ImagePrompt
 from parity.weights import bf16_bytes, is_indexer, serving_weights, text_specs
 from parity.io.checkpoint import init_checkpoint
@@ -192,7 +193,8 @@ class PPORun:
         self.eos = load_checkpoint_config_eos(base)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
-                                     adapter=adapter, zero_stage=cfg.zero_stage, value_head_lr=cfg.value_lr)
+                                     adapter=adapter, zero_stage=cfg.zero_stage, value_head_lr=cfg.value_lr,
+                                     train_vision=cfg.vision_tower == "trainable")
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
         frozen = [n for n in text_specs(self.backend.model_cfg.text) if is_indexer(n)]
         if frozen and self.rank0:
@@ -212,7 +214,8 @@ class PPORun:
                 args = dict(engine_args or ENGINE_ARGS)
                 if adapter is not None:
                     args.update(lora_engine_args(adapter_rank(adapter)))
-                self.engine = RolloutEngine(base, kernels=cfg.kernels, **args)
+                self.engine = RolloutEngine(base, kernels=cfg.kernels, vision_synced=cfg.vision_tower == "trainable",
+                                            **args)
                 self.sync = WeightSync(sync_transport(cfg, out), self.engine, after_sync=[self._after_sync])
         self.rng = random.Random(cfg.seed)
         self.step = 0
@@ -251,8 +254,15 @@ class PPORun:
         error = None
         if self.rank0:
             held, expected = self.engine.version, weights_checksum(bundle.checksums)
+            trains = self.cfg.vision_tower == "trainable"
+            wrong = sorted(u for u, synced in self.engine.vision_synced.items() if synced != trains)
             try:
-                if held < version:
+                if wrong:
+                    error = (f"rollout server {wrong[0]} " + ("holds its vision tower as loaded, but this run trains "
+                             "it: start the servers with `zerokl serve --sync-vision-tower`" if trains else
+                             "takes vision tower syncs (--sync-vision-tower), but this run keeps the tower frozen: "
+                             "start the servers without it, or set vision_tower: trainable"))
+                elif held < version:
                     self.log(f"rollout servers at version {held}: syncing the run's version {version}")
                     self.sync(bundle)
                     if self.cfg.lora:  # LoRA runs report one full-weight sync beside their adapter syncs
@@ -289,9 +299,17 @@ class PPORun:
 
     def _export_base(self) -> dict[str, torch.Tensor]:
         """The trainer's text weights as the engine holds them (`parity.weights.serving_weights` of the fp32 masters:
-        the operands the trainer's forward computes with), official names. Collective; {} off rank 0."""
+        the operands the trainer's forward computes with), official names; a trained vision tower's too, in the
+        compute dtype (its forward's operands). Collective; {} off rank 0."""
         exported = self.backend.export_official()
-        return serving_weights(self.backend.model_cfg.text, exported) if exported else {}
+        if not exported:
+            return {}
+        text = self.backend.model_cfg.text
+        weights = serving_weights(text, exported)
+        if self.cfg.vision_tower == "trainable":
+            vision = vision_specs(self.backend.model_cfg.vision, text.hidden_size)
+            weights.update({n: exported[n].detach().to(text.compute_dtype) for n in vision})
+        return weights
 
     def _export(self) -> WeightBundle:
         """What a sync sends: the full text weights, or with LoRA only the adapter's PEFT tensors."""
@@ -343,8 +361,9 @@ class PPORun:
         from trainer.logprobs import padded_logprobs
 
         with torch.no_grad():
+            images = batch.images  # the reference's tower is the checkpoint's, as loaded
             lp = padded_logprobs(self.reference, batch.input_ids, batch.lens, self.cfg.loss_sampling,
-                                 images=batch.images)
+                                 images=self.encoder.rows(images) if isinstance(images, ImageInputs) else images)
         return lp.gather(1, index)
 
     @staticmethod
@@ -392,12 +411,14 @@ class PPORun:
         images = _images(problem)
         return ImagePrompt(ids, images) if images else ids
 
-    def _image_rows(self, samples: list[Rollout]) -> ImageRows | None:
-        """The batch's image rows (the trainer's tower, frozen), or None when no sample has images."""
+    def _image_rows(self, samples: list[Rollout]) -> ImageRows | ImageInputs | None:
+        """The batch's image rows (the tower frozen), or its images' patches (the trainer trains the tower and runs it
+        in every forward), or None when no sample has images."""
         if self.encoder is None or not any(s.images for s in samples):
             return None
         self.encoder.forget()  # this step's images only
-        return self.encoder.rows([s.images for s in samples])
+        images = [s.images for s in samples]
+        return self.encoder.inputs(images) if self.cfg.vision_tower == "trainable" else self.encoder.rows(images)
 
     def _next_rollout(self) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
         """Rank 0: this step's rollouts. With max_staleness k, steps up to `step + k` are queued on the background

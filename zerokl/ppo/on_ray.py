@@ -31,12 +31,13 @@ class RolloutServerActor:
     """A `zerokl serve` server on this actor's node, for as long as the actor lives."""
 
     def __init__(self, checkpoint: str, kernels: str, engine_args: dict[str, Any], log_dir: str,
-                 lora: LoraServing | None):
+                 lora: LoraServing | None, vision_synced: bool):
         import ray
 
         from rollout.local_servers import LocalServers
 
-        self.servers = LocalServers(checkpoint, 1, Path(log_dir), kernels, engine_args, host="0.0.0.0", lora=lora)
+        self.servers = LocalServers(checkpoint, 1, Path(log_dir), kernels, engine_args, host="0.0.0.0", lora=lora,
+                                    vision_synced=vision_synced)
         self.address = self.servers.urls[0].replace("127.0.0.1", ray.util.get_node_ip_address())
 
     def url(self) -> str:
@@ -99,7 +100,8 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
                                            num_gpus=unit.get("GPU", 0)).remote(**kw)
 
         rollout += [place(RolloutServerActor, k, checkpoint=str(checkpoint), kernels=cfg.kernels,
-                          engine_args=dict(ENGINE_ARGS), log_dir=str(out / "servers" / f"server-{k}"), lora=lora)
+                          engine_args=dict(ENGINE_ARGS), log_dir=str(out / "servers" / f"server-{k}"), lora=lora,
+                          vision_synced=cfg.vision_tower == "trainable")
                     for k in range(servers)]
         urls = ray.get([a.url.remote() for a in rollout])
         print(f"rollout servers on Ray: {', '.join(urls)}", flush=True)
