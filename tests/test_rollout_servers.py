@@ -75,7 +75,7 @@ def test_remote_rollout_equals_the_engine_and_bad_updates_change_nothing(k3_serv
     for bundle, says in ((WeightBundle.make(0, weights), "stale update"), (WeightBundle.make(1, wrong), name)):
         with pytest.raises(SyncError, match=says):
             remote.sync(bundle)
-        assert remote.servers[0].weights() == {"version": 0, "checksum": checksum}
+        assert remote.servers[0].weights() == {"version": 0, "checksum": checksum, "vision_synced": False}
     after = remote.generate(prompts[:1], n=2, max_tokens=6, seed=11)
     assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(after, got[:2]))
 
