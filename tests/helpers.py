@@ -138,3 +138,29 @@ def picture(w: int, h: int, seed: int, mode: str = "RGB") -> Any:
         x, y, s = rng.randrange(w), rng.randrange(h), rng.randrange(2, max(3, min(w, h) // 2))
         draw.rectangle([x, y, x + s, y + s], fill=tuple(rng.randrange(256) for _ in range(3)))
     return im.convert(mode)
+
+
+def assert_zero_kl_step(result: Any) -> None:
+    """A PPO step (`StepResult`) whose every sampled log-prob, processed and raw, and every expert choice were the
+    trainer's bit for bit."""
+    m = result.metrics
+    assert result.diagnosis is None and m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 \
+        and m["raw_bitwise_equal_frac"] == 1.0 and m["routing_agreement"] == 1.0, m
+
+
+def assert_resumes_bitwise(cfg: Any, out: Path, state: Path, next_metrics: dict, final: dict) -> None:
+    """A run of `cfg` resumed from `state` into `out` reproduces the next step's metrics (all but wall-clock ones) and
+    the final weights `final` bit for bit."""
+    import torch
+
+    from zerokl.ppo.loop import TIMING_KEYS, PPORun
+
+    resumed = PPORun(cfg, out, resume=state, log=lambda _: None)
+    try:
+        again = resumed.run_step()
+        final_again = resumed.backend.export_official()
+    finally:
+        resumed.close()
+    assert {k: v for k, v in again.metrics.items() if k not in TIMING_KEYS} == \
+        {k: v for k, v in next_metrics.items() if k not in TIMING_KEYS}
+    assert final.keys() == final_again.keys() and all(torch.equal(final[n], final_again[n]) for n in final)

@@ -8,18 +8,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
+from helpers import assert_resumes_bitwise
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.loop import TIMING_KEYS, PPORun
+from zerokl.ppo.loop import PPORun
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _without_timings(m: dict) -> dict:
-    return {k: v for k, v in m.items() if k not in TIMING_KEYS}
 
 
 def test_one_step_off_rollouts_keep_zero_kl_and_resume_bitwise(k3_tiny: Path, tmp_path: Path) -> None:
@@ -48,11 +44,4 @@ def test_one_step_off_rollouts_keep_zero_kl_and_resume_bitwise(k3_tiny: Path, tm
         assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 \
             and m["routing_agreement"] == 1.0 and m["staleness"] == staleness, m
     assert all(r.metrics["ppo_kl"] != 0.0 for r in results[1:])
-    resumed = PPORun(cfg, tmp_path / "resumed", resume=tmp_path / "step-2", log=lambda _: None)
-    try:
-        again = resumed.run_step()
-        final_again = resumed.backend.export_official()
-    finally:
-        resumed.close()
-    assert _without_timings(again.metrics) == _without_timings(results[2].metrics)
-    assert final.keys() == final_again.keys() and all(torch.equal(final[n], final_again[n]) for n in final)
+    assert_resumes_bitwise(cfg, tmp_path / "resumed", tmp_path / "step-2", results[2].metrics, final)

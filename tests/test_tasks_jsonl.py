@@ -275,7 +275,7 @@ def test_relative_task_paths_resolve_against_the_config_directory(tmp_path: Path
     ("addition", "{digits: two}", "task addition: task_args digits must be an integer, got 'two'"),
     ("addition", "{digits: 0}", "task addition: digits must be >= 1, got 0"),
     ("addition", "{length: 3}", "task addition: unknown task_args key(s) 'length'; accepted: digits (an integer)"),
-    ("chess", "{}", "unknown task 'chess'; choose one of addition, jsonl, reversal"),
+    ("chess", "{}", "unknown task 'chess'; choose one of addition, calculator, env, guess, jsonl, reversal, squares"),
 ])
 def test_task_args_are_checked_at_config_load(task: str, task_args: str, says: str, tmp_path: Path) -> None:
     _dataset(tmp_path, GOOD)

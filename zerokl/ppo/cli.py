@@ -112,13 +112,13 @@ def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
     """Start `num_rollout_servers` servers on the run's checkpoint, train against them, stop them however the run
     ends (a SIGTERM ends the run as Ctrl-C does)."""
     from rollout.local_servers import local_servers
-    from zerokl.ppo.loop import ENGINE_ARGS, base_checkpoint, server_lora
+    from zerokl.ppo.loop import base_checkpoint, engine_args_for, server_lora
 
     _check_nproc(cfg, args.nproc_per_node)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     checkpoint = base_checkpoint(cfg, out)
     lora = server_lora(cfg, checkpoint, args.resume, out / "served-adapters")
-    with local_servers(checkpoint, cfg.num_rollout_servers, out / "servers", cfg.kernels, ENGINE_ARGS,
+    with local_servers(checkpoint, cfg.num_rollout_servers, out / "servers", cfg.kernels, engine_args_for(cfg),
                        lora=lora, vision_synced=cfg.vision_tower == "trainable") as urls:
         if args.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
             from zerokl.launch import launch

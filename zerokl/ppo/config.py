@@ -41,7 +41,9 @@ class PPOConfig:
     top_p: float | None = None
     min_p: float | None = None
     logprobs_mode: str = "processed_logprobs"  # the log-probs the loss reads (vLLM's names); the check compares both
-    max_tokens: int = 8
+    max_tokens: int = 8  # sampled tokens per (policy) turn
+    max_turns: int = 1  # an agent task (one with `episode`): policy turns per trajectory at most
+    env_timeout_s: float = 30.0  # an agent task: an environment step that takes longer ends its trajectory
     lr: float = 3e-3
     clip: float = 0.2
     ppo_epochs: int = 1  # passes over each step's samples
@@ -101,6 +103,7 @@ class PPOConfig:
             task = make_task(self.task, **{str(k): v for k, v in (self.task_args or {}).items()})
         except ConfigError as e:
             raise ConfigError(f"ppo config: {e}") from None
+        self._check_agent(hasattr(task, "episode"))
         if getattr(task.sample(random.Random(0)), "images", ()) and Path(self.model).exists() \
                 and load_model_config(self.model).vision is None:  # a throwaway draw
             raise ConfigError(f"ppo config: task {self.task} gives images, but model {self.model} has no vision tower "
@@ -159,7 +162,7 @@ class PPOConfig:
             raise ConfigError(f"ppo config: data_parallel is only read with backend: deepspeed (the {self.backend} "
                               "backend trains in one process); drop data_parallel or set backend: deepspeed")
         self._check_lora_keys()
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "checkpoint_every",
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "max_turns", "checkpoint_every",
                      "ppo_epochs", "num_minibatches", "parity_check_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
@@ -197,6 +200,19 @@ class PPOConfig:
                 if getattr(self, name) is not None:
                     raise ConfigError(f"ppo config: {name} is only read with advantage: gae (the value head); "
                                       f"drop {name} or set advantage: gae")
+
+    def _check_agent(self, agent: bool) -> None:
+        """Multi-turn keys: read with an agent task (one whose problems run against an environment) only."""
+        if not agent:
+            if self.max_turns != 1:
+                raise ConfigError(f"ppo config: max_turns is only read with an agent task (task {self.task} is "
+                                  "single-turn); drop max_turns or choose an agent task such as guess")
+            return
+        if not (self.env_timeout_s > 0 and math.isfinite(self.env_timeout_s)):
+            raise ConfigError(f"ppo config: env_timeout_s must be > 0, got {self.env_timeout_s}")
+        if self.advantage == "gae":
+            raise ConfigError("ppo config: advantage 'gae' with an agent task is not built (values across environment "
+                              "tokens); use advantage: grpo")
 
     def _check_vision_tower(self) -> None:
         """vision_tower: trainable needs a tower and what trains it here: the megatron backend, full weights, this

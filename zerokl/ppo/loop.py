@@ -107,6 +107,7 @@ from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import explained_variance, gae_advantages, grpo_advantages, masked_whiten, ppo_loss, value_loss
 from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.ppo.config import PPOConfig
+from zerokl.ppo.episodes import Limits, run_episodes
 from parity.io.atomic import commit_partial, partial_path
 from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
@@ -154,6 +155,14 @@ class Rollout:
     raw_logprobs: torch.Tensor  # [len(completion_ids)] fp32, the engine's raw ones (temperature 1, no truncation)
     routing: torch.Tensor | None  # the engine's experts per input position (`parity.routing`), MoE models
     images: tuple[Any, ...] = ()  # the prompt's images (RGB `PIL.Image`s), whose rows fill its image placeholders
+    # multi-turn (an agent task): which completion tokens the policy sampled (True) and which the environment wrote
+    # (their log-probs are NaN; the check and the loss skip them); the policy turns and how the trajectory ended
+    policy_mask: torch.Tensor | None = None
+    turns: int = 1
+    end: str = ""
+    cached_tokens: tuple[int, ...] = ()  # per turn: its prompt tokens served from the engine's prefix cache
+    tool_calls: int = 0
+    tool_errors: int = 0
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -167,6 +176,18 @@ STATE_FILE = "state.json"  # in a checkpoint: step, version, RNG states, config,
 AHEAD_FILE = "ahead.pt"  # with max_staleness: the rollouts generated ahead and the kept serving weights
 
 ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 32, "gpu_memory_utilization": 0.5}
+# an agent task's rollouts: turn k+1's request is turn k's ids plus new ones, served from the prefix cache at any
+# 16-token boundary (hits inside a cache block and inside a KDA chunk, bitwise by construction)
+AGENT_ENGINE_ARGS = {"enable_prefix_caching": True, "prefix_match_unit": 16}
+
+
+def engine_args_for(cfg: PPOConfig, engine_args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The rollout engine's (or server's) settings for the run: `engine_args` (default ENGINE_ARGS), plus prefix
+    caching across turns for an agent task."""
+    args = dict(engine_args or ENGINE_ARGS)
+    if hasattr(make_task(cfg.task, **(cfg.task_args or {})), "episode"):
+        args.update(AGENT_ENGINE_ARGS)
+    return args
 
 
 class PPORun:
@@ -189,7 +210,8 @@ class PPORun:
         if cfg.ref_model is not None:
             check_reference(Path(cfg.ref_model), base)
         self.tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
-        check_prompt_lengths(self.task, self.tokenizer, (engine_args or ENGINE_ARGS)["max_model_len"] - cfg.max_tokens)
+        self.max_length = (engine_args or ENGINE_ARGS)["max_model_len"]  # a trajectory's tokens, prompt included
+        check_prompt_lengths(self.task, self.tokenizer, self.max_length - cfg.max_tokens)
         self.eos = load_checkpoint_config_eos(base)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
@@ -211,7 +233,7 @@ class PPORun:
                 self.engine = RemoteRollout(cfg.rollout_servers, self.backend.model_cfg.text, log=log)
                 self.sync = RemoteSync(self.engine, sync_transport(cfg, out), after_sync=[self._after_sync])
             else:
-                args = dict(engine_args or ENGINE_ARGS)
+                args = engine_args_for(cfg, engine_args)
                 if adapter is not None:
                     args.update(lora_engine_args(adapter_rank(adapter)))
                 self.engine = RolloutEngine(base, kernels=cfg.kernels, vision_synced=cfg.vision_tower == "trainable",
@@ -392,6 +414,8 @@ class PPORun:
         policy version)."""
         cfg = self.cfg
         problems = [self.task.sample(self.rng) for _ in range(cfg.prompts_per_step)]
+        if hasattr(self.task, "episode"):
+            return self._episodes(step, problems)
         prompts = [self._prompt(p) for p in problems]
         t0 = time.perf_counter()
         samples = self.engine.generate(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature,
@@ -404,6 +428,30 @@ class PPORun:
         return ([Rollout(s.prompt_ids, s.completion_ids, s.logprobs, s.raw_logprobs, s.routing,
                          _images(problems[i // cfg.samples_per_prompt])) for i, s in enumerate(samples)],
                 rewards, t_roll, [s.policy_version for s in samples])
+
+    def _episodes(self, step: int, problems: list[Any]) -> tuple[list[Rollout], torch.Tensor, float, list[int]]:
+        """Rank 0: `_rollout` for an agent task: `samples_per_prompt` trajectories per problem, each against its own
+        episode, token in / token out (`zerokl.ppo.episodes`)."""
+        cfg = self.cfg
+        prompts = [self.tokenizer.encode(p.prompt).ids for p in problems for _ in range(cfg.samples_per_prompt)]
+        episodes = [self.task.episode(p) for p in problems for _ in range(cfg.samples_per_prompt)]
+        limits = Limits(cfg.max_turns, cfg.max_tokens, self.max_length, cfg.env_timeout_s)
+        t0 = time.perf_counter()
+        runs = run_episodes(self.engine.generate, lambda text: self.tokenizer.encode(text).ids, self._decode, prompts,
+                            episodes, limits, step_seed(cfg.seed, step), temperature=cfg.temperature, top_k=cfg.top_k,
+                            top_p=cfg.top_p, min_p=cfg.min_p, lora=self.engine.policy_adapter)
+        t_roll = time.perf_counter() - t0
+        errors = [r.end.removeprefix("error: ") for r in runs if r.end.startswith("error")]
+        if errors:  # the trajectory ends with what it has (its reward so far); the run goes on
+            self.log(f"step {step}: {len(errors)} trajectories ended by their environment, the first: {errors[0]}")
+        mixed = [r.versions for r in runs if len(r.versions) != 1]
+        if mixed:
+            raise StaleRollout(f"a trajectory's turns were sampled by policy versions {sorted(mixed[0])}")
+        versions = [min(r.versions) for r in runs]
+        return ([Rollout(r.prompt_ids, r.completion_ids, torch.tensor(r.logprobs), torch.tensor(r.raw_logprobs),
+                         r.routing, (), torch.tensor(r.policy_mask), r.turns, r.end, tuple(r.cached_tokens),
+                         r.tool_calls, r.tool_errors) for r in runs],
+                torch.tensor([r.reward for r in runs]), t_roll, versions)
 
     def _prompt(self, problem: Any) -> list[int] | ImagePrompt:
         """A problem's prompt as the engine takes it: token ids, with its images (`ImagePrompt`) when it has any."""
@@ -467,8 +515,10 @@ class PPORun:
         for i, s in enumerate(samples):
             c = len(s.completion_ids)
             index[i, :c] = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + c)
-            mask[i, :c] = 1.0
-            old[i, :c] = s.raw_logprobs if cfg.logprobs_mode == "raw_logprobs" else s.logprobs
+            policy = torch.ones(c, dtype=torch.bool) if s.policy_mask is None else s.policy_mask
+            mask[i, :c] = policy.float()  # environment tokens: neither trained on nor checked
+            rollout_lp = s.raw_logprobs if cfg.logprobs_mode == "raw_logprobs" else s.logprobs
+            old[i, :c] = torch.where(policy, rollout_lp, torch.zeros(()))
         t_ref = time.perf_counter()
         ref = self.backend.broadcast(self._reference_logprobs(batch, index) if self.rank0 else None)
         t_ref = time.perf_counter() - t_ref
@@ -488,8 +538,13 @@ class PPORun:
             ids = rows.tolist()
 
             def seqs(values: list[torch.Tensor] | torch.Tensor) -> list[SequenceLogprobs]:
-                tokens = [samples[i].completion_ids for i in ids]
-                return [SequenceLogprobs(str(i), t, x[: len(t)].detach()) for i, t, x in zip(ids, tokens, values)]
+                """Each sample's policy tokens (every completion token but an environment's) and their values."""
+                out = []
+                for i, x in zip(ids, values):
+                    s, keep = samples[i], mask[i, : len(samples[i].completion_ids)].bool()
+                    tokens = [t for t, k in zip(s.completion_ids, keep.tolist()) if k]
+                    out.append(SequenceLogprobs(str(i), tokens, x[: len(keep)].detach()[keep]))
+                return out
 
             report["parity"] = compare(seqs([samples[i].logprobs for i in ids]), seqs(lp))
             report["parity_raw"] = compare(seqs([samples[i].raw_logprobs for i in ids]), seqs(raw))
@@ -655,6 +710,15 @@ class PPORun:
                **({"routing_agreement": report["routing"].fraction} if "routing" in report else {}),
                "time_gen": t_roll, "rollout_tokens_per_s": gen_tokens / t_roll,
                "train_tokens_per_s": train_tokens / t_train if t_train else 0.0}
+        if hasattr(self.task, "episode"):  # multi-turn: turns, environment tokens, prefix hits, environment errors
+            env_tokens = sum(int((~s.policy_mask).sum()) for s in samples)
+            later = [c for s in samples for c in s.cached_tokens[1:]]  # the requests of turns 2, 3, ...
+            out.update({"turns_mean": sum(s.turns for s in samples) / len(samples),
+                        "env_token_frac": env_tokens / max(gen_tokens, 1),
+                        "later_turn_prefix_hit_frac": sum(c > 0 for c in later) / max(len(later), 1),
+                        "tool_calls": sum(s.tool_calls for s in samples),
+                        "tool_errors": sum(s.tool_errors for s in samples),
+                        "episode_errors": sum(s.end.startswith("error") for s in samples)})
         return out
 
     def _diagnose(self, report: dict[str, Any], samples: list[Any]) -> str:
@@ -713,6 +777,9 @@ def _ahead_record(ahead: deque[tuple[int, Future]], kept: dict[int, dict[str, to
                      "completion_ids": [s.completion_ids for s in samples], "logprobs": [s.logprobs for s in samples],
                      "raw_logprobs": [s.raw_logprobs for s in samples], "routing": [s.routing for s in samples],
                      "images": [[torch.from_numpy(np.array(im)) for im in s.images] for s in samples],
+                     "policy_mask": [s.policy_mask for s in samples], "turns": [s.turns for s in samples],
+                     "end": [s.end for s in samples], "cached_tokens": [list(s.cached_tokens) for s in samples],
+                     "tool_calls": [s.tool_calls for s in samples], "tool_errors": [s.tool_errors for s in samples],
                      "rewards": rewards, "seconds": seconds, "versions": versions})
     return {"ahead": rows, "kept": {str(v): w for v, w in kept.items()}}
 
@@ -723,8 +790,9 @@ def _from_ahead_record(record: dict[str, Any]) -> tuple[deque[tuple[int, Future]
     for row in record["ahead"]:
         future: Future = Future()
         images = [tuple(Image.fromarray(t.numpy(), "RGB") for t in held) for held in row["images"]]
-        samples = [Rollout(*fields) for fields in zip(row["prompt_ids"], row["completion_ids"], row["logprobs"],
-                                                      row["raw_logprobs"], row["routing"], images)]
+        samples = [Rollout(*fields[:9], tuple(fields[9]), *fields[10:]) for fields in zip(
+            row["prompt_ids"], row["completion_ids"], row["logprobs"], row["raw_logprobs"], row["routing"], images,
+            row["policy_mask"], row["turns"], row["end"], row["cached_tokens"], row["tool_calls"], row["tool_errors"])]
         future.set_result((samples, row["rewards"], row["seconds"], row["versions"]))
         ahead.append((row["step"], future))
     return ahead, {int(v): w for v, w in record["kept"].items()}

@@ -75,7 +75,7 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'zerokl[ray]'") from None
-    from zerokl.ppo.loop import ENGINE_ARGS, base_checkpoint, server_lora
+    from zerokl.ppo.loop import base_checkpoint, engine_args_for, server_lora
 
     if cfg.rollout_servers:
         raise ConfigError("--ray starts its own rollout servers (--num-rollout-servers N); drop rollout_servers")
@@ -100,7 +100,7 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
                                            num_gpus=unit.get("GPU", 0)).remote(**kw)
 
         rollout += [place(RolloutServerActor, k, checkpoint=str(checkpoint), kernels=cfg.kernels,
-                          engine_args=dict(ENGINE_ARGS), log_dir=str(out / "servers" / f"server-{k}"), lora=lora,
+                          engine_args=engine_args_for(cfg), log_dir=str(out / "servers" / f"server-{k}"), lora=lora,
                           vision_synced=cfg.vision_tower == "trainable")
                     for k in range(servers)]
         urls = ray.get([a.url.remote() for a in rollout])

@@ -3,7 +3,10 @@
 A task is any object with `name`, `sample(rng) -> Problem` and `reward(completion, problem) -> float`
 (`zerokl.tasks.base.Task`); `sample` must draw only from `rng`, the run's `random.Random`, which a checkpoint
 restores. Built in: `addition` and `reversal` (`toy`), `squares` (`vision`: counting squares in a generated picture, for a
-checkpoint with a vision tower), and `jsonl` (`jsonl`): a user's JSONL dataset with a user or builtin reward function.
+checkpoint with a vision tower), `guess` (`agent`: a multi-turn game against an environment, guess-the-number with
+higher/lower feedback), `calculator` (`calculator`: a question with a calculator tool), `env` (`agent.EnvTask`: a
+user's environment class from a Python file), and `jsonl` (`jsonl`): a user's JSONL dataset with a user or builtin
+reward function. An agent task has `episode(problem)` instead of `reward` (`zerokl.tasks.agent`).
 A problem with images (`zerokl.tasks.vision.ImageProblem`) carries them beside its prompt. Add one by writing such a class, its `__init__` keyword arguments typed (they are the
 task's `task_args`), and registering it in `TASKS` (README "Adding a task").
 """
@@ -16,16 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from parity.config import ConfigError
+from zerokl.tasks.agent import EnvTask, Episode, Guess, Turn
+from zerokl.tasks.calculator import Calculator
 from zerokl.tasks.base import Problem, Task
 from zerokl.tasks.jsonl import JsonlTask
 from zerokl.tasks.rewards import RewardError
 from zerokl.tasks.toy import Addition, Reversal
 from zerokl.tasks.vision import ImageProblem, Squares
 
-__all__ = ["TASKS", "Addition", "ImageProblem", "JsonlTask", "Problem", "RewardError", "Reversal", "Squares", "Task",
-           "make_task", "resolve_paths"]
+__all__ = ["TASKS", "Addition", "Calculator", "EnvTask", "Episode", "Guess", "ImageProblem", "JsonlTask", "Problem",
+           "RewardError", "Reversal", "Squares", "Task", "Turn", "make_task", "resolve_paths"]
 
-TASKS: dict[str, type] = {"addition": Addition, "reversal": Reversal, "squares": Squares, "jsonl": JsonlTask}
+TASKS: dict[str, type] = {"addition": Addition, "reversal": Reversal, "squares": Squares, "guess": Guess,
+                          "calculator": Calculator, "env": EnvTask, "jsonl": JsonlTask}
 
 _KINDS = {int: "an integer", str: "a string"}
 

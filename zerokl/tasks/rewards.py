@@ -90,7 +90,7 @@ def load_reward(spec: str) -> Reward:
     if not file.endswith(".py") or not name.isidentifier():
         raise ConfigError(f"reward {spec!r}: expected FILE.py:FUNCTION (a function in your Python file) or "
                           f"builtin:NAME ({', '.join('builtin:' + b for b in sorted(BUILTINS))})")
-    module = _import_file(Path(file), spec)
+    module = import_file(Path(file), f"reward {spec!r}")
     if not hasattr(module, name):
         defined = sorted(k for k, v in vars(module).items()
                          if inspect.isfunction(v) and v.__module__ == module.__name__)
@@ -109,11 +109,12 @@ def load_reward(spec: str) -> Reward:
     return Reward(spec, fn)
 
 
-def _import_file(file: Path, spec: str) -> ModuleType:
-    """The module in `file`, executed once per process (as `import` does), under a name derived from its path."""
+def import_file(file: Path, label: str) -> ModuleType:
+    """The module in `file`, executed once per process (as `import` does), under a name derived from its path;
+    ConfigError starting with `label` (what names the file in the config) when it is missing or its import raises."""
     if not file.is_file():
-        raise ConfigError(f"reward {spec!r}: no such file {file}")
-    module_name = "zerokl_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:16]
+        raise ConfigError(f"{label}: no such file {file}")
+    module_name = "zerokl_user_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:16]
     if module_name in sys.modules:
         return sys.modules[module_name]
     loader = importlib.util.spec_from_file_location(module_name, file)
@@ -124,5 +125,5 @@ def _import_file(file: Path, spec: str) -> ModuleType:
         loader.loader.exec_module(module)
     except Exception as e:  # a user's file: its own error, reported, not a traceback
         del sys.modules[module_name]
-        raise ConfigError(f"reward {spec!r}: importing {file} raised {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{label}: importing {file} raised {type(e).__name__}: {e}") from None
     return module
