@@ -33,14 +33,16 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 
 
-def server_group(url: str) -> int | None:
-    """The process group of the server listening at `url`: its API process, started with `--port PORT`, leads it
-    (found by its command line; a sandboxed host's socket table need not list the listening socket)."""
-    port = str(int(url.rsplit(":", 1)[1]))
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        argv = p.info["cmdline"] or []
-        if any(a == "--port" and b == port for a, b in zip(argv, argv[1:])):
-            return os.getpgid(p.pid)
+def server_group(url: str, out: Path) -> int | None:
+    """The process group of the server listening at `url`, read from the server's own log under `out`: its
+    non-default args name its port and its log lines its API process's pid, which leads the group (the host's
+    process table is not relied on: a sandboxed host need not list a process's sockets or command line)."""
+    port = int(url.rsplit(":", 1)[1])
+    for path in sorted((out / "servers").glob("*/*.log")):
+        text = path.read_text(errors="replace")
+        pid = re.search(r"\(APIServer pid=(\d+)\)", text)
+        if pid and f"'port': {port}," in text:
+            return os.getpgid(int(pid.group(1)))
     return None
 
 
@@ -79,7 +81,7 @@ def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path
                 assert time.time() < deadline, "no step in time"
                 time.sleep(0.5)
             urls = re.search(r"rollout servers on Ray: (\S+), (\S+)", log.read_text()).groups()
-            groups = [server_group(u) for u in urls]
+            groups = [server_group(u, out) for u in urls]
             assert None not in groups, (urls, groups, log.read_text()[-4000:])
             os.killpg(groups[1], signal.SIGKILL)  # the second server dies after step 0
             assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
