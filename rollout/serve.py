@@ -15,6 +15,11 @@ client a trainer drives them with.
 With `--lora-root DIR` it also serves LoRA adapters (`--max-loras`, `--max-lora-rank`): vLLM's runtime
 loading endpoints are on, restricted to adapters inside DIR, with the `zerokl lora push / list` routes
 (`rollout.lora_server`); adapter requests keep the same bits as in `RolloutEngine` (`rollout.lora_table`).
+
+K3's launch recipe flags (`--enable-auto-tool-choice --tool-call-parser kimi_k3 --reasoning-parser kimi_k3`) are
+its own options: checked here (a parser vLLM has, a K3 parser only on a checkpoint whose tokenizer carries K3's chat
+format, `parity.io.chat_format`), then handed to vLLM, whose chat endpoint renders the checkpoint's chat template
+and returns parsed `tool_calls` and `reasoning`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity.config import load_model_config
+from parity.io.chat_format import CHAT_TOKENS
 from parity.kernels import KERNEL_SETS, get_kernels
 from rollout.lora_server import LORA_ROOT_ENV
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
@@ -84,6 +90,45 @@ def serve_env(lora: LoraServing | None = None) -> dict[str, str]:
     return {DEV_MODE_ENV: "1", **(lora.env() if lora else {})}
 
 
+def chat_flags(checkpoint: str | Path, auto_tool_choice: bool, tool_call_parser: str | None,
+               reasoning_parser: str | None) -> list[str]:
+    """vLLM's flags for the chat endpoint's parsers; ValueError for a combination or a name vLLM would refuse, or a
+    K3 parser on a checkpoint whose tokenizer lacks K3's chat tokens (it could never see the markers it reads)."""
+    if auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (K3: kimi_k3)")
+    flags = ["--enable-auto-tool-choice"] if auto_tool_choice else []
+    for flag, name, kind in (("--tool-call-parser", tool_call_parser, "tool"),
+                             ("--reasoning-parser", reasoning_parser, "reasoning")):
+        if name is None:
+            continue
+        known = _parsers(kind)
+        if name not in known:
+            raise ValueError(f"{flag} {name}: vLLM has no such {kind} parser (it has: {', '.join(known)})")
+        if name.startswith("kimi_k3") and not _has_k3_chat_tokens(checkpoint):
+            raise ValueError(f"{flag} {name}: the tokenizer of {checkpoint} has no K3 chat format "
+                             f"({', '.join(CHAT_TOKENS)}); write the checkpoint again with zerokl init-checkpoint")
+        flags += [flag, name]
+    return flags
+
+
+def _parsers(kind: str) -> list[str]:
+    """The names of vLLM's registered tool-call (`kind` "tool") or reasoning parsers."""
+    if kind == "tool":
+        from vllm.tool_parsers import ToolParserManager
+        return ToolParserManager.list_registered()
+    from vllm.reasoning import ReasoningParserManager
+    return ReasoningParserManager.list_registered()
+
+
+def _has_k3_chat_tokens(checkpoint: str | Path) -> bool:
+    """Whether the checkpoint's tokenizer holds each of K3's chat tokens as a token of its own."""
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.is_file():
+        return False
+    added = {t["content"] for t in json.loads(path.read_text()).get("added_tokens", [])}
+    return set(CHAT_TOKENS) <= added
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `serve` on the `zerokl` subcommand parser."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible vLLM server for a K3 / Kimi Linear checkpoint, "
@@ -101,6 +146,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sync-vision-tower", action="store_true",
                    help="the vision tower takes weight syncs with the text weights (for a PPO run with "
                         "vision_tower: trainable); default: it stays as loaded and syncs carry text weights only")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="the model may call the request's tools on its own (needs --tool-call-parser)")
+    p.add_argument("--tool-call-parser", help="vLLM tool-call parser for the chat endpoint (K3: kimi_k3)")
+    p.add_argument("--reasoning-parser", help="vLLM reasoning parser for the chat endpoint (K3: kimi_k3)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="further api_server flags after '--' (e.g. -- --max-model-len 4096)")
     p.set_defaults(func=run)
@@ -127,6 +176,12 @@ def run(args: argparse.Namespace) -> int:
     if args.sync_vision_tower and cfg.vision is None:
         print(f"zerokl: error: --sync-vision-tower: {args.checkpoint} has no vision tower (no vision_config)",
               file=sys.stderr)
+        return 2
+    try:
+        extra = [*chat_flags(args.checkpoint, args.enable_auto_tool_choice, args.tool_call_parser,
+                             args.reasoning_parser), *extra]
+    except ValueError as e:
+        print(f"zerokl: error: {e}", file=sys.stderr)
         return 2
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,
                       lora, cfg.vision is not None, args.sync_vision_tower)

@@ -93,13 +93,15 @@ def k3_engine(k3_tiny: Path) -> Iterator[object]:
 
 @pytest.fixture(scope="session")
 def k3_server(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """`zerokl serve` on `k3_tiny` with the shared engine's settings and an adapter directory (--lora-root): (its
-    base URL, the directory, empty at start; tests add the adapters they serve)."""
+    """`zerokl serve` on `k3_tiny` with the shared engine's settings, K3's launch-recipe chat flags (tool-call and
+    reasoning parsers) and an adapter directory (--lora-root): (its base URL, the directory, empty at start; tests add
+    the adapters they serve)."""
     root = tmp_path_factory.mktemp("served-adapters")
     port = free_port()
     argv = [sys.executable, "-m", "zerokl.cli", "serve", "--checkpoint", str(k3_tiny), "--port", str(port),
             "--lora-root", str(root), "--max-loras", str(K3_LORA_ARGS["max_loras"]),
-            "--max-lora-rank", str(K3_LORA_ARGS["max_lora_rank"]), "--",
+            "--max-lora-rank", str(K3_LORA_ARGS["max_lora_rank"]),
+            "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3", "--",
             "--max-model-len", str(K3_ENGINE_ARGS["max_model_len"]),
             "--max-num-seqs", str(K3_ENGINE_ARGS["max_num_seqs"]), "--enable-prefix-caching"]
     with running_server(argv, port, tmp_path_factory.mktemp("server") / "server.log") as base:

@@ -58,6 +58,8 @@ def test_vllm_kimi_k3_parsers_read_back_what_the_template_writes(tokenizer, call
     prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False, **kwargs)
     full = tokenizer.apply_chat_template([*history, turn], tokenize=False, **kwargs)
     assert full.startswith(prompt) and full.endswith(END_OF_MSG)
+    renamed = {**turn, "reasoning": turn["reasoning_content"], "reasoning_content": None}  # vLLM's name for it
+    assert tokenizer.apply_chat_template([*history, renamed], tokenize=False, **kwargs) == full
     output = full[len(prompt):-len(END_OF_MSG)]  # what the model writes after the prompt, up to its stop token
 
     request = ChatCompletionRequest(model="m", messages=history, tools=[CALC, SEARCH],

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -303,6 +305,19 @@ def test_serve_command_line(tmp_path: Path, kimi_linear_tiny: Path, capsys: pyte
     assert args.func(args) == 2  # not a checkpoint directory: one error line, no server
     args = parser.parse_args(["serve", "--checkpoint", str(kimi_linear_tiny), "--sync-vision-tower"])
     assert args.func(args) == 2 and "--sync-vision-tower" in capsys.readouterr().err  # no tower to sync
+    for flags, says in ((["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+                        (["--tool-call-parser", "kimi_k9"], "no such tool parser"),
+                        (["--reasoning-parser", "kimi_k9"], "no such reasoning parser")):
+        args = parser.parse_args(["serve", "--checkpoint", str(kimi_linear_tiny), *flags])
+        assert args.func(args) == 2 and says in capsys.readouterr().err, flags
+    old = tmp_path / "old"  # a checkpoint written before the chat format: its tokenizer lacks K3's chat tokens
+    old.mkdir()
+    shutil.copy(kimi_linear_tiny / "config.json", old)
+    (old / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"content": "<|pad|>"}]}))
+    args = parser.parse_args(["serve", "--checkpoint", str(old), "--tool-call-parser", "kimi_k3"])
+    assert args.func(args) == 2 and "has no K3 chat format" in capsys.readouterr().err
+    assert serve.chat_flags(kimi_linear_tiny, True, "kimi_k3", "kimi_k3") == [
+        "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k3", "--reasoning-parser", "kimi_k3"]
     argv = serve.serve_argv(tmp_path, kernels="fast", port=1234, vllm_args=["--max-model-len", "64"])
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and argv[-2:] == ["--max-model-len", "64"]
     overrides = json.loads(argv[argv.index("--hf-overrides") + 1])
@@ -335,3 +350,44 @@ def test_openai_server_matches_offline_engine(checkpoint: Path, reference: list[
         tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
         got = Sample(PROMPTS[i], tokens, torch.tensor(lp["token_logprobs"], dtype=torch.float32), 0, 0)
         _assert_same(got, reference[i][j], f"server, prompt {i}, sample {j}")
+
+
+CALC_TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
+                                              "parameters": {"type": "object", "required": ["expression"],
+                                                             "properties": {"expression": {"type": "string"}}}}}
+
+
+def test_chat_endpoint_renders_k3_chat_and_parses_reasoning_and_tool_calls(checkpoint: Path, engine: RolloutEngine,
+                                                                           k3_server: tuple[str, Path]) -> None:
+    """The served chat endpoint (K3's launch-recipe flags): the prompt is the checkpoint's chat template, the tokens
+    and log-probs are the offline engine's for those ids, the think channel comes back as `reasoning`, and a tool call
+    (forced through structured outputs: a random-weight model writes none) comes back parsed by vLLM's kimi_k3."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 2 + 3?"}]
+    body = {"model": str(checkpoint), "messages": messages, "tools": [CALC_TOOL], "temperature": TEMPERATURE,
+            "return_token_ids": True}
+    reply = _post(f"{k3_server[0]}/v1/chat/completions",
+                  {**body, "max_tokens": MAX_TOKENS, "seed": sample_seed(7, 0), "logprobs": True})
+    prompt = tokenizer(tokenizer.apply_chat_template(messages, tools=[CALC_TOOL], add_generation_prompt=True,
+                                                     tokenize=False), add_special_tokens=False)["input_ids"]
+    assert reply["prompt_token_ids"] == prompt
+    want = engine.generate([prompt], n=1, temperature=TEMPERATURE, max_tokens=MAX_TOKENS, seed=[7])[0]
+    choice = reply["choices"][0]
+    got = torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]], dtype=torch.float32)
+    assert choice["token_ids"] == want.completion_ids and torch.equal(got, want.logprobs)
+    # thinking is on by default: the prompt opens the think channel, which the model never closes here
+    assert choice["message"]["reasoning"] == tokenizer.decode(want.completion_ids) and not choice["message"]["content"]
+
+    forced = ('Adding.<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="calculator" index="1"<|sep|>'
+              '<|open|>argument key="expression" type="string"<|sep|>2 + 3<|close|>argument<|sep|><|close|>call<|sep|>'
+              '<|close|>tools<|sep|><|close|>message<|sep|>')
+    reply = _post(f"{k3_server[0]}/v1/chat/completions",
+                  {**body, "max_tokens": 256, "seed": 3, "chat_template_kwargs": {"thinking": False},
+                   "structured_outputs": {"regex": re.escape(forced)}})
+    message = reply["choices"][0]["message"]
+    assert tokenizer.decode(reply["prompt_token_ids"]).endswith("<|open|>response<|sep|>")  # thinking off
+    assert message["content"] == "Adding." and not message.get("reasoning")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] \
+        == [("calculator", {"expression": "2 + 3"})]

@@ -4,7 +4,7 @@ A message is `<|open|>message role="ROLE"<|sep|>BODY<|close|>message<|sep|><|end
 `think` channel, a `response` channel and, when it calls tools, a `tools` channel of `call` blocks whose
 `argument key=".." type=".."` blocks carry string values raw and every other type as JSON; attribute values escape
 `&` and `"` as `&amp;` and `&quot;`. An assistant message in the history keeps its `think` channel when it has
-`reasoning_content` (a tool loop sends it back), so a turn rendered into the history is the generation prompt plus
+`reasoning_content` (or `reasoning`, vLLM's name: a tool loop sends it back), so a turn rendered into the history is the generation prompt plus
 what the model wrote, with thinking on or off. Declared tools come first in a `tool-declare` system message (compact JSON,
 sorted keys), then, when thinking is on (the default; `thinking=False` or `enable_thinking=False` in the template
 kwargs turns it off), a `thinking-effort` system message. The generation prompt opens the assistant message and its
@@ -46,7 +46,7 @@ CHAT_TEMPLATE = "".join([
     f'{OPEN}message role="{{{{ esc(m.role) }}}}"',
     "{%- if m.role == 'tool' and m.name %} name=\"{{ esc(m.name) }}\"{%- endif -%}", SEP,
     "{%- if m.role == 'assistant' -%}",
-    "{%- if m.reasoning_content -%}", f"{OPEN}think{SEP}{{{{ m.reasoning_content }}}}{CLOSE}think{SEP}",
+    "{%- set r = m.reasoning_content or m.reasoning -%}{%- if r -%}", f"{OPEN}think{SEP}{{{{ r }}}}{CLOSE}think{SEP}",
     "{%- endif -%}",
     f"{OPEN}response{SEP}{{{{ body(m.content) }}}}{CLOSE}response{SEP}",
     "{%- if m.tool_calls -%}", f"{OPEN}tools{SEP}",
