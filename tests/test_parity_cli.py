@@ -14,6 +14,7 @@ import base64
 import io
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,9 +174,62 @@ def test_image_prompts_keep_the_bits_and_the_image_is_used(checker: Checker, tmp
     assert torch.equal(checker.score([again], 1.0, [prompts[1]])[0], again.logprobs)
 
 
-def test_cli_image_prompt_errors(ckpt: Path, kimi_linear_tiny: Path, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """Each bad image prompt: one `zerokl: error:` line naming the file and line, exit 2, before any engine starts."""
+def _old_tokenizer(ckpt: Path, root: Path) -> Path:
+    """A copy of `ckpt`'s config and tokenizer as written before K3's chat format (no chat template)."""
+    old = root / "old"
+    old.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(ckpt / name, old)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (old / "tokenizer_config.json").write_text(json.dumps(config))
+    return old
+
+
+# --- chat prompts (the checkpoint's K3 chat template, with tools) -------------------------------------------------
+
+CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
+                                         "parameters": {"type": "object", "required": ["expression"],
+                                                        "properties": {"expression": {"type": "string"}}}}}
+CHAT_LINES = [
+    {"messages": [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "What is 17 * 23?"}],
+     "tools": [CALC]},
+    {"prompt": "What is 12 + 30? Answer:"},
+    {"messages": [{"role": "user", "content": "Add 2 and 3."},
+                  {"role": "assistant", "content": "", "reasoning_content": "the tool adds",
+                   "tool_calls": [{"id": "a", "type": "function",
+                                   "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]},
+                  {"role": "tool", "name": "calculator", "tool_call_id": "a", "content": "5"}], "tools": [CALC]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "you"}]}]},
+]
+
+
+def test_chat_prompts_with_tools_keep_the_bits(checker: Checker, tmp_path: Path) -> None:
+    """Chat lines (a tool declared, a tool call and its result in the history) mixed with a text line, batched and
+    alone: each is the generation prompt of the checkpoint's chat template, and every log-prob is the trainer's."""
+    from transformers import AutoTokenizer
+
+    from parity.io.chat_format import CHAT_TOKENS
+    from zerokl.engine_check import load_prompts
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in CHAT_LINES) + "\n")
+    prompts = load_prompts(path, checker.tokenizer, checker.cfg.text.vocab_size, 1000, checker.path)
+    tokenizer = AutoTokenizer.from_pretrained(checker.path)
+    for row, ids in zip(CHAT_LINES, prompts):
+        if "messages" in row:
+            text = tokenizer.apply_chat_template(row["messages"], tools=row.get("tools"), add_generation_prompt=True,
+                                                 tokenize=False)
+            assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert set(tokenizer.convert_tokens_to_ids(CHAT_TOKENS)) <= set(ids)
+    res = checker.check(prompts, mix="both", max_tokens=8, seed=6)
+    assert res.report.tokens == 2 * len(CHAT_LINES) * 8 and res.report.all_equal and res.mix_mismatch == 0, res.report
+
+
+def test_cli_prompt_line_errors(ckpt: Path, kimi_linear_tiny: Path, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Each bad image or chat prompt line: one `zerokl: error:` line naming the file and line, exit 2, before any
+    engine starts."""
     import numpy as np
     from PIL import Image
 
@@ -189,7 +243,15 @@ def test_cli_image_prompt_errors(ckpt: Path, kimi_linear_tiny: Path, tmp_path: P
               "holds 1 <|kimi_image_placeholder|> tokens for 2 images", ckpt),
              ({"prompt": "hi", "images": ["ok.png"] * 3}, "with its 3 images the prompt has", ckpt),
              ({"prompt": "hi", "images": "ok.png"}, "'images' must be a non-empty list", ckpt),
-             ({"prompt": "hi", "images": ["ok.png"]}, "the checkpoint has no vision tower", kimi_linear_tiny)]
+             ({"prompt": "hi", "images": ["ok.png"]}, "the checkpoint has no vision tower", kimi_linear_tiny),
+             ({"messages": []}, "'messages' must be a non-empty list", ckpt),
+             ({"messages": [{"role": "bot", "content": "x"}]}, "expected an object with 'role' one of", ckpt),
+             ({"messages": [{"role": "user", "content": 5}]}, "messages[0]: 'content' must be text", ckpt),
+             ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "on assistant messages only", ckpt),
+             ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]:", ckpt),
+             ({"messages": [{"role": "user", "content": "x"}], "images": ["ok.png"]}, "unknown key(s) 'images'", ckpt),
+             ({"messages": [{"role": "user", "content": "x" * 200}]}, "the chat renders to", ckpt),
+             ({"messages": [{"role": "user", "content": "x"}]}, "has no K3 chat format", _old_tokenizer(ckpt, tmp_path))]
     for row, message, model in cases:
         (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
         rc = main(["parity", "check", "--model", str(model), "--prompts", str(tmp_path / "p.jsonl"),

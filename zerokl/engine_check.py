@@ -42,6 +42,7 @@ class CheckResult:
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 IMAGES_KEY = "images"
+CHAT_KEYS = ("messages", "tools")
 
 
 def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_len: int,
@@ -49,7 +50,9 @@ def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_l
     """JSONL, one object per line with exactly one of {"prompt": non-empty text} or {"prompt_token_ids": [ids]}: ids
     are ints in [0, vocab_size), at most `max_prompt_len` tokens either way; optionally "images": [paths, relative to
     the file] (a K3 `checkpoint` with a vision tower), placed at the prompt's `<|kimi_image_placeholder|>` tokens (one
-    per image) or, with none, before the text; the prompt with its images expanded must fit `max_prompt_len`. Every
+    per image) or, with none, before the text; the prompt with its images expanded must fit `max_prompt_len`. A chat
+    line, {"messages": [...], "tools": [...]} (tools optional), is the generation prompt the checkpoint's chat
+    template renders, as the server's chat endpoint renders it (`parity.io.chat_format.chat_prompt_ids`). Every
     line is checked (and every image read) before anything runs; the first bad one fails with the file, the line and
     the reason (`DumpError`). Blank lines are skipped."""
     path = Path(path)
@@ -58,6 +61,9 @@ def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_l
     prompts: list[list[int] | ImagePrompt] = []
     for lineno, row in jsonl_rows(path):
         where = f"{path}:{lineno}"
+        if isinstance(row, dict) and "messages" in row:
+            prompts.append(_chat_prompt(row, where, checkpoint, max_prompt_len))
+            continue
         images = row.pop(IMAGES_KEY, None) if isinstance(row, dict) else None
         ids = _prompt_ids(row, where, tokenizer, vocab_size, max_prompt_len)
         prompts.append(ids if images is None else
@@ -65,6 +71,28 @@ def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_l
     if not prompts:
         raise DumpError(f"{path}: no prompts")
     return prompts
+
+
+def _chat_prompt(row: dict, where: str, checkpoint: str | Path | None, max_prompt_len: int) -> list[int]:
+    """The ids of a chat line's generation prompt, refused with the line when malformed or too long."""
+    import jinja2
+
+    from parity.io.chat_format import ChatError, chat_prompt_ids
+
+    unknown = sorted(set(row) - set(CHAT_KEYS))
+    if unknown:
+        raise DumpError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; a chat line holds 'messages' and "
+                        "optionally 'tools'")
+    if checkpoint is None:
+        raise DumpError(f"{where}: a chat line needs the checkpoint's chat template")
+    try:
+        ids = chat_prompt_ids(checkpoint, row["messages"], row.get("tools"))
+    except (ChatError, jinja2.TemplateError) as e:
+        raise DumpError(f"{where}: {e}") from None
+    if len(ids) > max_prompt_len:
+        raise DumpError(f"{where}: the chat renders to {len(ids)} tokens; at most {max_prompt_len} fit the engine's "
+                        "context with the completion")
+    return ids
 
 
 def _image_prompt(ids: list[int], images: Any, where: str, root: Path, tokenizer: Any,

@@ -14,6 +14,10 @@ parsers read back; the template is rendered by the tokenizer (`apply_chat_templa
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+from typing import Any
+
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 CHAT_TOKENS = [OPEN, CLOSE, SEP, END_OF_MSG]
 
@@ -65,3 +69,75 @@ CHAT_TEMPLATE = "".join([
     f"{{%- if think -%}}{OPEN}think{SEP}{{%- else -%}}{OPEN}response{SEP}{{%- endif -%}}",
     "{%- endif -%}",
 ])
+
+
+class ChatError(ValueError):
+    """A chat line that cannot be rendered: what is wrong, in the user's terms."""
+
+
+ROLES = ("system", "user", "assistant", "tool")
+_MESSAGE_KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "tool_calls", "tool_call_id"}
+
+
+def chat_prompt_ids(checkpoint: str | Path, messages: Any, tools: Any = None) -> list[int]:
+    """The generation prompt of `messages` (OpenAI chat form) with `tools` declared, rendered by the checkpoint's chat
+    template and tokenised as the server tokenises it; ChatError names the first malformed message or tool, or a
+    checkpoint whose tokenizer predates the chat format."""
+    _check_messages(messages)
+    _check_tools(tools)
+    tokenizer = _chat_tokenizer(str(checkpoint))
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@functools.lru_cache(maxsize=4)
+def _chat_tokenizer(checkpoint: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    if not tokenizer.chat_template or any(tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
+                                          for t in CHAT_TOKENS):
+        raise ChatError(f"the tokenizer of {checkpoint} has no K3 chat format (no chat template or no "
+                        f"{', '.join(CHAT_TOKENS)}); write the checkpoint again with zerokl init-checkpoint")
+    return tokenizer
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ChatError(f"'messages' must be a non-empty list of messages, got {messages!r}")
+    for k, m in enumerate(messages):
+        where = f"messages[{k}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ChatError(f"{where}: expected an object with 'role' one of {', '.join(ROLES)}, got {m!r}")
+        unknown = sorted(set(m) - _MESSAGE_KEYS)
+        if unknown:
+            raise ChatError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}")
+        content = m.get("content")
+        parts_ok = isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+        if not (isinstance(content, str) or parts_ok or (content is None and m.get("tool_calls"))):
+            raise ChatError(f"{where}: 'content' must be text or a list of {{\"type\": \"text\", \"text\": ...}} "
+                            f"parts (images go in 'prompt' lines), got {content!r}")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if m["role"] != "assistant" or not isinstance(calls, list):
+                raise ChatError(f"{where}: 'tool_calls' is a list, on assistant messages only")
+            for j, call in enumerate(calls):
+                f = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                        or not isinstance(f.get("arguments", {}), (dict, str)):
+                    raise ChatError(f"{where}.tool_calls[{j}]: expected {{\"function\": {{\"name\": ..., "
+                                    f"\"arguments\": {{...}}}}}}, got {call!r}")
+
+
+def _check_tools(tools: Any) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ChatError(f"'tools' must be a list of tools, got {tools!r}")
+    for k, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                or not isinstance(f.get("parameters", {}), dict):
+            raise ChatError(f"tools[{k}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                            f"\"parameters\": {{JSON schema}}}}}}, got {t!r}")
