@@ -98,6 +98,7 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int] | str | ImagePrompt], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
+                 stop_token_ids: Sequence[int] = (),
                  lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  record: bool = False) -> list[Sample]:
         """`n` samples per prompt, prompt-major (sample j of prompt i is entry i * n + j).
@@ -107,6 +108,7 @@ class RolloutEngine:
         seed: one seed for the call (prompt i gets `sample_seed(seed, i)`) or one seed per prompt.
         top_p / top_k / min_p: truncation (`parity.kernels.logprobs.Sampling`); the log-probs are under the truncated
         distribution (vLLM's processed log-probs), which the trainer recomputes with `Sampling`.
+        stop_token_ids: tokens that end a sample besides end-of-sequence (kept as its last token, like it).
         lora: an adapter from `load_adapter` for every prompt, or one per prompt (None: the base model).
         record: fill each sample's `raw_logprobs` and `routing` from inside the worker (`rollout.records`: raw log-probs
         by vLLM's own op; experts at each position the engine computed, `parity.routing.NOT_COMPUTED` at positions a
@@ -125,7 +127,8 @@ class RolloutEngine:
                 requests.append(request)
                 adapters.append(adapter)
                 params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                                             seed=sample_seed(s, j), ignore_eos=ignore_eos, **truncation))
+                                             seed=sample_seed(s, j), ignore_eos=ignore_eos,
+                                             stop_token_ids=list(stop_token_ids), **truncation))
         if not record:
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=adapters)
             return [self._sample(out) for out in outputs]

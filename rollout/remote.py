@@ -140,6 +140,7 @@ class RemoteRollout:
     def generate(self, prompts: Sequence[Sequence[int] | ImagePrompt], n: int = 1, temperature: float = 1.0,
                  max_tokens: int = 16, seed: int | Sequence[int] = 0, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None, ignore_eos: bool = False,
+                 stop_token_ids: Sequence[int] = (),
                  lora: str | None = None, record: bool = False) -> list[Sample]:
         """`RolloutEngine.generate`'s contract (token-id prompts, or `ImagePrompt`s: their images sent as PNG content
         parts, which the server decodes to the same RGB pixels); `lora`: the served adapter name every prompt uses
@@ -150,6 +151,7 @@ class RemoteRollout:
         seeds = prompt_seeds(prompts, seed)
         check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
         params = {"temperature": temperature, "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": ignore_eos,
+                  **({"stop_token_ids": list(stop_token_ids)} if stop_token_ids else {}),
                   **{k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}}
         tag = uuid.uuid4().hex[:12]
         jobs = [(i, j) for i in range(len(prompts)) for j in range(n)]

@@ -17,7 +17,7 @@ import torch
 from helpers import assert_resumes_bitwise, assert_zero_kl_step
 from parity.config import ConfigError
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.episodes import Limits, run_episodes
+from zerokl.ppo.episodes import Limits, TextDialogue, run_episodes
 from zerokl.ppo.loop import PPORun
 from zerokl.tasks import Problem, make_task
 from zerokl.tasks.agent import GuessEpisode, Turn
@@ -64,7 +64,7 @@ def test_episodes_append_ids_mask_the_environment_and_survive_bad_environments()
     encode = lambda text: [100 + len(text)]  # noqa: E731 (one id per observation)
     decode = lambda ids: "".join(map(str, ids))  # noqa: E731
     limits = Limits(max_turns=3, max_tokens=2, max_length=64, step_timeout_s=0.5)
-    runs = run_episodes(_fake_generate, encode, decode, [[1, 2, 3]] * 5,
+    runs = run_episodes(_fake_generate, TextDialogue(encode, decode), [[1, 2, 3]] * 5,
                         [_Echo(2), _Echo(9), _Raises(), _Hangs(), _Nonsense()], limits, seed=0)
     done, capped, raised, hung, nonsense = runs
     # token in / token out: the prompt, then per turn the sampled ids and the observation's ids, never re-tokenised
@@ -75,7 +75,7 @@ def test_episodes_append_ids_mask_the_environment_and_survive_bad_environments()
     assert raised.end == "error: the environment step raised ValueError: tool failed" and raised.turns == 1
     assert hung.end == "error: the environment step took longer than 0.5 s"
     assert nonsense.end == "error: the environment step returned dict, not a Turn"
-    short = run_episodes(_fake_generate, encode, decode, [[1] * 60], [_Echo(9)], limits, seed=0)[0]
+    short = run_episodes(_fake_generate, TextDialogue(encode, decode), [[1] * 60], [_Echo(9)], limits, seed=0)[0]
     assert short.end == "length" and len(short.ids) == 62  # another turn (1 + 2 tokens) would pass the 64
 
 
@@ -135,9 +135,65 @@ def test_a_user_environment_that_cannot_make_an_episode_ends_only_its_trajectory
     body = ("class E:\n    def sample(self, rng): return Problem('p', str(rng.random()))\n"
             "    def episode(self, p): raise KeyError(p.answer)\n")
     task = make_task("env", path=f"{_env_file(tmp_path, body)}:E")
-    runs = run_episodes(_fake_generate, lambda t: [1], str, [[1, 2, 3]], [task.episode(Problem("p", "x"))],
+    runs = run_episodes(_fake_generate, TextDialogue(lambda t: [1], str), [[1, 2, 3]], [task.episode(Problem("p", "x"))],
                         Limits(3, 2, 64, 1.0), seed=0)
     assert runs[0].end == "error: the environment step raised RuntimeError: episode(problem) raised KeyError: 'x'"
+
+
+def _scripted(turns: list[list[int]]):
+    """A `generate` that answers each trajectory's k-th request with `turns[k]` (log-probs -1), checking the stop."""
+    calls: list[int] = []
+
+    def generate(prompts: list[list[int]], n: int, max_tokens: int, record: bool, seed: list[int],
+                 stop_token_ids: list[int], **_: object) -> list[SimpleNamespace]:
+        assert n == 1 and record and stop_token_ids
+        calls.append(len(calls))
+        ids = turns[len(calls) - 1]
+        return [SimpleNamespace(prompt_ids=p, completion_ids=ids, logprobs=-torch.ones(len(ids)), raw_logprobs=None,
+                                routing=None, policy_version=0, cached_tokens=0) for p in prompts]
+    return generate
+
+
+CALL = ('Let me compute.<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="calculator" index="1"<|sep|>'
+        '<|open|>argument key="expression" type="string"<|sep|>3*4+5<|close|>argument<|sep|><|close|>call<|sep|>'
+        '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+
+
+def test_chat_turns_parse_with_vllms_kimi_k3_parsers_and_the_trajectory_is_the_templates_rendering(
+        k3_tiny: Path) -> None:
+    """K3's chat format, token in / token out: the policy's tool call (vLLM's kimi_k3 parser) runs the calculator,
+    whose result comes back as a tool message; the trajectory's ids are exactly what the chat template renders for the
+    whole conversation. A turn cut off by the token limit is closed for it before the environment's message."""
+    from zerokl.tasks.calculator import TOOL
+    from zerokl.tasks.chat import ChatAction, ChatDialogue, ToolCall
+
+    task = make_task("calculator", chat=True)
+    dialogue = ChatDialogue(k3_tiny, task)
+    tokenizer = dialogue.tokenizer
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    answer = "17<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    problem = Problem("What is 3 * 4 + 5?", "17")
+    run = run_episodes(_scripted([ids(CALL), ids(answer)]), dialogue, [dialogue.prompt_ids(problem.prompt)],
+                       [task.episode(problem)], Limits(3, 64, 1024, 5.0), seed=0)[0]
+    assert run.end == "done" and run.turns == 2 and run.tool_calls == 1 and run.tool_errors == 0
+    assert run.reward == pytest.approx(1.0)
+    conversation = [{"role": "system", "content": task.system}, {"role": "user", "content": problem.prompt},
+                    {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+                        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3*4+5"}}}]},
+                    {"role": "tool", "name": "calculator", "content": "17"}, {"role": "assistant", "content": "17"}]
+    assert run.ids == ids(tokenizer.apply_chat_template(conversation, tools=[TOOL], tokenize=False, thinking=False))
+    assert sum(run.policy_mask) == len(ids(CALL)) + len(ids(answer))
+
+    assert dialogue.action(ids(CALL)) == ChatAction(CALL.removesuffix("<|end_of_msg|>"), "Let me compute.", None,
+                                                    (ToolCall("calculator", {"expression": "3*4+5"}),))
+    guess = make_task("guess", chat=True)
+    chat = ChatDialogue(k3_tiny, guess)
+    cut = ids(" 5 and")  # no end of message: the token limit cut it
+    after = chat.observation(cut, chat.action(cut), "higher. Guess:")
+    assert tokenizer.decode(after, skip_special_tokens=False) == (
+        '<|close|>message<|sep|><|end_of_msg|><|open|>message role="user"<|sep|>higher. Guess:<|close|>message<|sep|>'
+        '<|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
+    assert guess.episode(Problem("p", "5")).step(chat.action(cut)).done  # the response channel's number: right
 
 
 @pytest.mark.slow  # starts engines and trainers: scheduled first (conftest.py)

@@ -67,13 +67,16 @@ def test_every_step_zero_kl_with_adapter_only_sync(lora_run) -> None:
 
 
 def test_reward_rises(lora_run) -> None:
-    """The last 5 steps' mean reward exceeds the first 5 steps' by more than 3 standard errors of that difference
-    (from the spread of the step means): learning, not sampling noise. (Measured: 0.049 -> 0.097, 4.3 errors.)"""
+    """The least-squares slope of the step mean reward over the 20 steps is positive by more than 3 standard errors
+    (from the residual spread): learning, not sampling noise. (Measured: 0.047 mean over the first 10 steps, 0.080
+    over the last 10; slope 0.0038 per step, 4.1 errors.)"""
     metrics, _, _ = lora_run
-    first = torch.tensor([m["reward_mean"] for m in metrics[:5]], dtype=torch.float64)
-    last = torch.tensor([m["reward_mean"] for m in metrics[-5:]], dtype=torch.float64)
-    error = (first.var() / 5 + last.var() / 5).sqrt()
-    assert last.mean() - first.mean() > 3 * error, (first.tolist(), last.tolist())
+    reward = torch.tensor([m["reward_mean"] for m in metrics], dtype=torch.float64)
+    step = torch.arange(len(reward), dtype=torch.float64) - (len(reward) - 1) / 2
+    slope = (step * reward).sum() / (step * step).sum()
+    residual = reward - reward.mean() - slope * step
+    error = (residual.square().sum() / (len(reward) - 2) / (step * step).sum()).sqrt()
+    assert slope > 3 * error, (slope.item(), error.item(), reward.tolist())
 
 
 def test_base_weights_never_move(lora_run, k3_tiny: Path) -> None:

@@ -79,14 +79,15 @@ ROLES = ("system", "user", "assistant", "tool")
 _MESSAGE_KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "tool_calls", "tool_call_id"}
 
 
-def chat_prompt_ids(checkpoint: str | Path, messages: Any, tools: Any = None) -> list[int]:
-    """The generation prompt of `messages` (OpenAI chat form) with `tools` declared, rendered by the checkpoint's chat
-    template and tokenised as the server tokenises it; ChatError names the first malformed message or tool, or a
-    checkpoint whose tokenizer predates the chat format."""
+def chat_prompt_ids(checkpoint: str | Path, messages: Any, tools: Any = None, thinking: bool = True) -> list[int]:
+    """The generation prompt of `messages` (OpenAI chat form) with `tools` declared, thinking on or off, rendered by
+    the checkpoint's chat template and tokenised as the server tokenises it; ChatError names the first malformed
+    message or tool, or a checkpoint whose tokenizer predates the chat format."""
     _check_messages(messages)
     _check_tools(tools)
     tokenizer = _chat_tokenizer(str(checkpoint))
-    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
+                                         thinking=thinking)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

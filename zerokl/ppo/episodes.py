@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -82,25 +82,54 @@ class Limits:
     step_timeout_s: float  # an environment step that takes longer ends its trajectory
 
 
-def run_episodes(generate: Callable[..., list[Any]], encode: Callable[[str], list[int]],
-                 decode: Callable[[list[int]], str], prompts: Sequence[list[int]], episodes: Sequence[Episode],
-                 limits: Limits, seed: int, **sampling: Any) -> list[Trajectory]:
+class Dialogue(Protocol):
+    """How turns become actions and answers become ids: plain text (`TextDialogue`) or K3's chat format
+    (`zerokl.tasks.chat.ChatDialogue`)."""
+
+    stop_token_ids: list[int]  # besides end-of-sequence, the tokens that end a turn
+
+    def action(self, ids: list[int]) -> Any: ...  # what the episode's step receives for the turn `ids`
+
+    def observation(self, ids: list[int], action: Any, answer: str) -> list[int]: ...  # the ids that follow
+
+
+class TextDialogue:
+    """Plain text: a turn is its tokens decoded (end-of-sequence dropped), an answer its text tokenised once."""
+
+    stop_token_ids: list[int] = []
+
+    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]):
+        self.encode, self.decode = encode, decode
+
+    def action(self, ids: list[int]) -> str:
+        return self.decode(ids)
+
+    def observation(self, ids: list[int], action: Any, answer: str) -> list[int]:
+        return self.encode(answer)
+
+
+def run_episodes(generate: Callable[..., list[Any]], dialogue: Dialogue, prompts: Sequence[list[int]],
+                 episodes: Sequence[Episode], limits: Limits, seed: int, **sampling: Any) -> list[Trajectory]:
     """Run trajectory i from `prompts[i]` against `episodes[i]`, all active ones batched per turn through `generate`
-    (the engine's, called with `n=1`, per-request seeds `sample_seed(seed, turn * len(prompts) + i)`, `record=True`
-    and `sampling`). A trajectory ends when its episode says done, at `max_turns`, when the next turn would not fit in
-    `max_length`, or when its environment raises or exceeds `step_timeout_s` (`end` says which and why; the run goes
-    on)."""
+    (the engine's, called with `n=1`, per-request seeds `sample_seed(seed, turn * len(prompts) + i)`, `record=True`,
+    the dialogue's stop tokens and `sampling`); each turn reaches its episode as `dialogue.action(ids)` and the
+    episode's answer comes back as `dialogue.observation(...)` ids. A trajectory ends when its episode says done, at
+    `max_turns`, when the next turn would not fit in `max_length`, or when its environment raises or exceeds
+    `step_timeout_s` (`end` says which and why; the run goes on)."""
     runs = [Trajectory(list(p)) for p in prompts]
     for turn in range(limits.max_turns):
         active = [i for i, r in enumerate(runs) if r.end == "running"]
         if not active:
             break
         samples = generate([runs[i].ids for i in active], n=1, max_tokens=limits.max_tokens, record=True,
-                           seed=[sample_seed(seed, turn * len(runs) + i) for i in active], **sampling)
+                           seed=[sample_seed(seed, turn * len(runs) + i) for i in active],
+                           **({"stop_token_ids": dialogue.stop_token_ids} if dialogue.stop_token_ids else {}),
+                           **sampling)
         for i, sample in zip(active, samples):
             run = runs[i]
             run.add(sample)
-            reply = _step(episodes[i], decode(sample.completion_ids), limits.step_timeout_s)
+            action = dialogue.action(sample.completion_ids)
+            reply = _step(episodes[i], action, limits.step_timeout_s)
             if isinstance(reply, str):
                 run.end = f"error: {reply}"
                 continue
@@ -112,7 +141,7 @@ def run_episodes(generate: Callable[..., list[Any]], encode: Callable[[str], lis
             elif turn + 1 == limits.max_turns:
                 run.end = "max_turns"
             else:
-                ids = encode(reply.observation)
+                ids = dialogue.observation(sample.completion_ids, action, reply.observation)
                 if len(run.ids) + len(ids) + limits.max_tokens > limits.max_length:
                     run.end = "length"
                 else:
@@ -120,7 +149,7 @@ def run_episodes(generate: Callable[..., list[Any]], encode: Callable[[str], lis
     return runs
 
 
-def _step(episode: Episode, action: str, timeout_s: float) -> Turn | str:
+def _step(episode: Episode, action: Any, timeout_s: float) -> Turn | str:
     """The episode's answer to `action`, or why there is none (it raised, returned something else, or did not answer
     within `timeout_s`: its thread, a daemon, is left behind and the trajectory ends)."""
     out: list[Any] = []

@@ -107,12 +107,13 @@ from parity.io.checkpoint import init_checkpoint
 from zerokl.ppo.algo import explained_variance, gae_advantages, grpo_advantages, masked_whiten, ppo_loss, value_loss
 from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.ppo.config import PPOConfig
-from zerokl.ppo.episodes import Limits, run_episodes
+from zerokl.ppo.episodes import Limits, TextDialogue, run_episodes
 from parity.io.atomic import commit_partial, partial_path
 from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
 from zerokl.tasks import RewardError, make_task
+from zerokl.tasks.chat import ChatDialogue, is_chat_task
 
 if TYPE_CHECKING:
     from rollout.serve import LoraServing
@@ -213,6 +214,8 @@ class PPORun:
         self.max_length = (engine_args or ENGINE_ARGS)["max_model_len"]  # a trajectory's tokens, prompt included
         check_prompt_lengths(self.task, self.tokenizer, self.max_length - cfg.max_tokens)
         self.eos = load_checkpoint_config_eos(base)
+        self.dialogue = chat_dialogue(base, self.task) if is_chat_task(self.task) else \
+            TextDialogue(lambda text: self.tokenizer.encode(text).ids, self._decode)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
                                      adapter=adapter, zero_stage=cfg.zero_stage, value_head_lr=cfg.value_lr,
@@ -433,12 +436,14 @@ class PPORun:
         """Rank 0: `_rollout` for an agent task: `samples_per_prompt` trajectories per problem, each against its own
         episode, token in / token out (`zerokl.ppo.episodes`)."""
         cfg = self.cfg
-        prompts = [self.tokenizer.encode(p.prompt).ids for p in problems for _ in range(cfg.samples_per_prompt)]
+        dialogue = self.dialogue
+        prompts = [dialogue.prompt_ids(p.prompt) if isinstance(dialogue, ChatDialogue) else
+                   self.tokenizer.encode(p.prompt).ids for p in problems for _ in range(cfg.samples_per_prompt)]
         episodes = [self.task.episode(p) for p in problems for _ in range(cfg.samples_per_prompt)]
         limits = Limits(cfg.max_turns, cfg.max_tokens, self.max_length, cfg.env_timeout_s)
         t0 = time.perf_counter()
-        runs = run_episodes(self.engine.generate, lambda text: self.tokenizer.encode(text).ids, self._decode, prompts,
-                            episodes, limits, step_seed(cfg.seed, step), temperature=cfg.temperature, top_k=cfg.top_k,
+        runs = run_episodes(self.engine.generate, dialogue, prompts, episodes, limits, step_seed(cfg.seed, step),
+                            temperature=cfg.temperature, top_k=cfg.top_k,
                             top_p=cfg.top_p, min_p=cfg.min_p, lora=self.engine.policy_adapter)
         t_roll = time.perf_counter() - t0
         errors = [r.end.removeprefix("error: ") for r in runs if r.end.startswith("error")]
@@ -826,6 +831,17 @@ def image_encoder(base: Path, model_cfg: Any, kernels: str) -> ImageEncoder | No
     from parity.io.checkpoint import load_checkpoint
 
     return ImageEncoder(base, model_cfg, load_checkpoint(base)[1], get_kernels(kernels))
+
+
+def chat_dialogue(base: Path, task: Any) -> ChatDialogue:
+    """Before the engine starts: the K3 chat dialogue of a chat task; ConfigError when the checkpoint's tokenizer
+    has no chat format or the task's tools are malformed."""
+    from parity.io.chat_format import ChatError
+
+    try:
+        return ChatDialogue(base, task)
+    except ChatError as e:
+        raise ConfigError(f"task {task.name}: {e}") from None
 
 
 def check_prompt_lengths(task: Any, tokenizer: Any, room: int) -> None:

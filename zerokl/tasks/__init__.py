@@ -4,8 +4,8 @@ A task is any object with `name`, `sample(rng) -> Problem` and `reward(completio
 (`zerokl.tasks.base.Task`); `sample` must draw only from `rng`, the run's `random.Random`, which a checkpoint
 restores. Built in: `addition` and `reversal` (`toy`), `squares` (`vision`: counting squares in a generated picture, for a
 checkpoint with a vision tower), `guess` (`agent`: a multi-turn game against an environment, guess-the-number with
-higher/lower feedback), `calculator` (`calculator`: a question with a calculator tool), `env` (`agent.EnvTask`: a
-user's environment class from a Python file), and `jsonl` (`jsonl`): a user's JSONL dataset with a user or builtin
+higher/lower feedback), `calculator` (`calculator`: a question with a calculator tool), both also in K3's chat format
+(`chat: true`, `zerokl.tasks.chat`), `env` (`agent.EnvTask`: a user's environment class from a Python file), and `jsonl` (`jsonl`): a user's JSONL dataset with a user or builtin
 reward function. An agent task has `episode(problem)` instead of `reward` (`zerokl.tasks.agent`).
 A problem with images (`zerokl.tasks.vision.ImageProblem`) carries them beside its prompt. Add one by writing such a class, its `__init__` keyword arguments typed (they are the
 task's `task_args`), and registering it in `TASKS` (README "Adding a task").
@@ -33,7 +33,7 @@ __all__ = ["TASKS", "Addition", "Calculator", "EnvTask", "Episode", "Guess", "Im
 TASKS: dict[str, type] = {"addition": Addition, "reversal": Reversal, "squares": Squares, "guess": Guess,
                           "calculator": Calculator, "env": EnvTask, "jsonl": JsonlTask}
 
-_KINDS = {int: "an integer", str: "a string"}
+_KINDS = {int: "an integer", str: "a string", bool: "true or false"}
 
 
 def make_task(name: str, **args: Any) -> Task:
@@ -53,7 +53,7 @@ def make_task(name: str, **args: Any) -> Task:
     if missing:
         raise ConfigError(f"task {name}: task_args needs {', '.join(map(repr, missing))}; accepted: {accepted}")
     for key, value in args.items():
-        if isinstance(value, bool) or not isinstance(value, types[key]):  # a bool is not an integer
+        if (isinstance(value, bool) and types[key] is not bool) or not isinstance(value, types[key]):  # not an int
             raise ConfigError(f"task {name}: task_args {key} must be {_KINDS[types[key]]}, got {value!r}")
     return cls(**args)
 

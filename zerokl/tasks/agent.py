@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from parity.config import ConfigError
 from zerokl.tasks.base import Problem
+from zerokl.tasks.chat import ChatAction
 from zerokl.tasks.rewards import RewardError, import_file
 
 
@@ -37,7 +38,12 @@ class Turn:
 
 
 class Episode(Protocol):
-    def step(self, action: str) -> Turn: ...
+    def step(self, action: str | ChatAction) -> Turn: ...
+
+
+def action_text(action: str | ChatAction) -> str:
+    """What a turn says: its text, or in K3's chat format its response channel."""
+    return action.content if isinstance(action, ChatAction) else action
 
 
 _INTEGER = re.compile(r"-?\d+")
@@ -50,12 +56,12 @@ class GuessEpisode:
         self.secret, self.high, self.max_turns = secret, high, max_turns
         self.turns = 0
 
-    def step(self, action: str) -> Turn:
+    def step(self, action: str | ChatAction) -> Turn:
         """Partial credit per turn: 0.1 for a guess at all, up to 0.2 for its closeness; 0.5 + 0.5 x (turns left
         share) for the right number, which ends the game. Feedback ' higher.' / ' lower.' / ' no number.', then the
         next ' Guess:'."""
         self.turns += 1
-        found = _INTEGER.search(action)
+        found = _INTEGER.search(action_text(action))
         if found is None:
             return Turn(" no number. Guess:", 0.0, self.turns >= self.max_turns)
         guess = int(found.group())
@@ -68,16 +74,19 @@ class GuessEpisode:
 
 class Guess:
     """'I picked a number from 1 to high. Guess:' with ' higher.' / ' lower.' feedback after each guess, for up to
-    `max_turns` guesses (the trajectory also ends at the run's `max_turns`, whichever comes first)."""
+    `max_turns` guesses (the trajectory also ends at the run's `max_turns`, whichever comes first). With `chat`, in
+    K3's chat format (`zerokl.tasks.chat`): the guess is the response channel's first integer, the feedback a user
+    message."""
 
     name = "guess"
+    system = "Guess the number. Reply with one number."
 
-    def __init__(self, high: int = 9, max_turns: int = 3):
+    def __init__(self, high: int = 9, max_turns: int = 3, chat: bool = False):
         if high < 2:
             raise ConfigError(f"task guess: high must be >= 2, got {high}")
         if max_turns < 1:
             raise ConfigError(f"task guess: max_turns must be >= 1, got {max_turns}")
-        self.high, self.max_turns = high, max_turns
+        self.high, self.max_turns, self.chat = high, max_turns, chat
 
     def sample(self, rng: random.Random) -> Problem:
         return Problem(f"I picked a number from 1 to {self.high}. Guess:", str(rng.randint(1, self.high)))
@@ -92,14 +101,15 @@ class _Failed:
     def __init__(self, why: str):
         self.why = why
 
-    def step(self, action: str) -> Turn:
+    def step(self, action: str | ChatAction) -> Turn:
         raise RuntimeError(self.why)
 
 
 class EnvTask:
     """A user's agent task: `path` is FILE.py:CLASS, a class whose instance (made with no arguments) has
     `sample(rng) -> Problem` (drawing only from `rng`) and `episode(problem)` -> an object with `step(action) ->
-    Turn` (`from zerokl.tasks import Problem, Turn`). Checked at config load (the file imports, the class is there,
+    Turn` (`from zerokl.tasks import Problem, Turn`); a class with `chat = True` (and optionally `tools`, `system`,
+    `thinking`) runs in K3's chat format and its `step` receives a `ChatAction`. Checked at config load (the file imports, the class is there,
     an instance samples a problem); a `sample` that fails later stops the run naming it, an `episode` or `step` that
     fails ends its trajectory."""
 
@@ -121,6 +131,11 @@ class EnvTask:
         if missing:
             raise ConfigError(f"{label}: {cls_name} has no method {missing[0]}(...)")
         self.label = label
+        # K3's chat format when the class asks for it (`zerokl.tasks.chat`): its tools, system message and thinking
+        self.chat = bool(getattr(self.impl, "chat", False))
+        self.tools = getattr(self.impl, "tools", None)
+        self.system = getattr(self.impl, "system", None)
+        self.thinking = bool(getattr(self.impl, "thinking", False))
         try:
             self.sample(random.Random(0))  # a throwaway draw: a class that cannot sample is refused now
         except RewardError as e:

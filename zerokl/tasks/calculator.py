@@ -6,7 +6,9 @@ or results) is a `CalculatorError`, whose message the environment returns as the
 
 Task `calculator`: "What is a * b + c?" with a tool: a turn that starts with `calc` runs the rest through the
 calculator and returns ` = RESULT.` (or ` error: WHY.`), then ` Answer:`; any other turn is the answer, scored with
-the toy tasks' partial credit, which ends the trajectory. Tool calls and tool errors are counted per step.
+the toy tasks' partial credit, which ends the trajectory. Tool calls and tool errors are counted per step. With
+`chat: true` the same in K3's chat format (`zerokl.tasks.chat`): the `calculator` tool declared in the prompt, called
+through the tools channel (parsed by vLLM's kimi_k3 parser), its result a tool message; the response is the answer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 from parity.config import ConfigError
 from zerokl.tasks.agent import Turn
 from zerokl.tasks.base import Problem
+from zerokl.tasks.chat import ChatAction
 from zerokl.tasks.toy import partial_credit
 
 MAX_EXPONENT = 64
@@ -75,34 +78,52 @@ def _shown(x: int | float) -> str:
     return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
 
 
+TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
 class CalculatorEpisode:
-    """One question: `calc EXPR` turns use the tool, the first other turn is the answer."""
+    """One question: `calc EXPR` turns (in K3's chat format: calls of the `calculator` tool) use the tool, the first
+    other turn is the answer."""
 
     def __init__(self, answer: str):
         self.answer = answer
 
-    def step(self, action: str) -> Turn:
+    def step(self, action: str | ChatAction) -> Turn:
+        if isinstance(action, ChatAction):
+            if action.tool_calls:
+                return self._calculate(str(action.tool_calls[0].arguments.get("expression", "")), "{}", "error: {}")
+            return Turn("", partial_credit(action.content, self.answer, "0123456789-"), True)
         text = action.strip()
         if text.startswith("calc"):
-            try:
-                return Turn(f" = {_shown(calculate(text[4:]))}. Answer:", 0.0, False, tool_call=True)
-            except CalculatorError as e:
-                return Turn(f" error: {e}. Answer:", 0.0, False, tool_call=True, tool_error=True)
+            return self._calculate(text[4:], " = {}. Answer:", " error: {}. Answer:")
         return Turn("", partial_credit(action, self.answer, "0123456789-"), True)
+
+    @staticmethod
+    def _calculate(expression: str, shown: str, error: str) -> Turn:
+        try:
+            return Turn(shown.format(_shown(calculate(expression))), 0.0, False, tool_call=True)
+        except CalculatorError as e:
+            return Turn(error.format(e), 0.0, False, tool_call=True, tool_error=True)
 
 
 class Calculator:
     """'What is a * b + c? (calc EXPR computes)' with a, b, c < 10**digits."""
 
     name = "calculator"
+    system = "Use the calculator tool for arithmetic, then reply with the number."
 
-    def __init__(self, digits: int = 1):
+    def __init__(self, digits: int = 1, chat: bool = False):
         if digits < 1:
             raise ConfigError(f"task calculator: digits must be >= 1, got {digits}")
-        self.digits = digits
+        self.digits, self.chat = digits, chat
+        self.tools = [TOOL] if chat else None
 
     def sample(self, rng: random.Random) -> Problem:
         a, b, c = (rng.randrange(10**self.digits) for _ in range(3))
+        if self.chat:
+            return Problem(f"What is {a} * {b} + {c}?", str(a * b + c))
         return Problem(f"What is {a} * {b} + {c}? (calc EXPR computes) Answer:", str(a * b + c))
 
     def episode(self, problem: Problem) -> CalculatorEpisode:
