@@ -135,8 +135,8 @@ def test_a_user_environment_that_cannot_make_an_episode_ends_only_its_trajectory
     body = ("class E:\n    def sample(self, rng): return Problem('p', str(rng.random()))\n"
             "    def episode(self, p): raise KeyError(p.answer)\n")
     task = make_task("env", path=f"{_env_file(tmp_path, body)}:E")
-    runs = run_episodes(_fake_generate, TextDialogue(lambda t: [1], str), [[1, 2, 3]], [task.episode(Problem("p", "x"))],
-                        Limits(3, 2, 64, 1.0), seed=0)
+    runs = run_episodes(_fake_generate, TextDialogue(lambda t: [1], str), [[1, 2, 3]],
+                        [task.episode(Problem("p", "x"))], Limits(3, 2, 64, 1.0), seed=0)
     assert runs[0].end == "error: the environment step raised RuntimeError: episode(problem) raised KeyError: 'x'"
 
 
@@ -178,8 +178,8 @@ def test_chat_turns_parse_with_vllms_kimi_k3_parsers_and_the_trajectory_is_the_t
     assert run.end == "done" and run.turns == 2 and run.tool_calls == 1 and run.tool_errors == 0
     assert run.reward == pytest.approx(1.0)
     conversation = [{"role": "system", "content": task.system}, {"role": "user", "content": problem.prompt},
-                    {"role": "assistant", "content": "Let me compute.", "tool_calls": [
-                        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3*4+5"}}}]},
+                    {"role": "assistant", "content": "Let me compute.", "tool_calls": [{"type": "function",
+                     "function": {"name": "calculator", "arguments": {"expression": "3*4+5"}}}]},
                     {"role": "tool", "name": "calculator", "content": "17"}, {"role": "assistant", "content": "17"}]
     assert run.ids == ids(tokenizer.apply_chat_template(conversation, tools=[TOOL], tokenize=False, thinking=False))
     assert sum(run.policy_mask) == len(ids(CALL)) + len(ids(answer))

@@ -1,12 +1,12 @@
 """K3's chat format (XTML), as the checkpoint's tokenizer carries it: four special tokens and a chat template.
 
 A message is `<|open|>message role="ROLE"<|sep|>BODY<|close|>message<|sep|><|end_of_msg|>`; an assistant body holds a
-`think` channel, a `response` channel and, when it calls tools, a `tools` channel of `call` blocks whose
-`argument key=".." type=".."` blocks carry string values raw and every other type as JSON; attribute values escape
-`&` and `"` as `&amp;` and `&quot;`. An assistant message in the history keeps its `think` channel when it has
-`reasoning_content` (or `reasoning`, vLLM's name: a tool loop sends it back), so a turn rendered into the history is the generation prompt plus
-what the model wrote, with thinking on or off. Declared tools come first in a `tool-declare` system message (compact JSON,
-sorted keys), then, when thinking is on (the default; `thinking=False` or `enable_thinking=False` in the template
+`think` channel, a `response` channel and, when it calls tools, a `tools` channel of `call` blocks whose `argument
+key=".." type=".."` blocks carry string values raw and every other type as JSON; attribute values escape `&` and `"` as
+`&amp;` and `&quot;`. An assistant message in the history keeps its `think` channel when it has `reasoning_content` (or
+`reasoning`, vLLM's name: a tool loop sends it back), so a turn rendered into the history is the generation prompt plus
+what the model wrote, with thinking on or off. Declared tools come first in a `tool-declare` system message (compact
+JSON, sorted keys), then, when thinking is on (the default; `thinking=False` or `enable_thinking=False` in the template
 kwargs turns it off), a `thinking-effort` system message. The generation prompt opens the assistant message and its
 first channel (`think`, or `response` without thinking). This is the form vLLM's `kimi_k3` tool-call and reasoning
 parsers read back; the template is rendered by the tokenizer (`apply_chat_template`), on the server and here alike.

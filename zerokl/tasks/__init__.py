@@ -1,14 +1,15 @@
 """Verifiable tasks for RL: prompts with a known answer and a rule-based reward.
 
 A task is any object with `name`, `sample(rng) -> Problem` and `reward(completion, problem) -> float`
-(`zerokl.tasks.base.Task`); `sample` must draw only from `rng`, the run's `random.Random`, which a checkpoint
-restores. Built in: `addition` and `reversal` (`toy`), `squares` (`vision`: counting squares in a generated picture, for a
+(`zerokl.tasks.base.Task`); `sample` must draw only from `rng`, the run's `random.Random`, which a checkpoint restores.
+Built in: `addition` and `reversal` (`toy`), `squares` (`vision`: counting squares in a generated picture, for a
 checkpoint with a vision tower), `guess` (`agent`: a multi-turn game against an environment, guess-the-number with
 higher/lower feedback), `calculator` (`calculator`: a question with a calculator tool), both also in K3's chat format
-(`chat: true`, `zerokl.tasks.chat`), `env` (`agent.EnvTask`: a user's environment class from a Python file), and `jsonl` (`jsonl`): a user's JSONL dataset with a user or builtin
-reward function. An agent task has `episode(problem)` instead of `reward` (`zerokl.tasks.agent`).
-A problem with images (`zerokl.tasks.vision.ImageProblem`) carries them beside its prompt. Add one by writing such a class, its `__init__` keyword arguments typed (they are the
-task's `task_args`), and registering it in `TASKS` (README "Adding a task").
+(`chat: true`, `zerokl.tasks.chat`), `env` (`agent.EnvTask`: a user's environment class from a Python file), and `jsonl`
+(`jsonl`): a user's JSONL dataset with a user or builtin reward function. An agent task has `episode(problem)` instead
+of `reward` (`zerokl.tasks.agent`). A problem with images (`zerokl.tasks.vision.ImageProblem`) carries them beside its
+prompt. Add one by writing such a class, its `__init__` keyword arguments typed (they are the task's `task_args`), and
+registering it in `TASKS` (README "Adding a task").
 """
 
 from __future__ import annotations

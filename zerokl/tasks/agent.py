@@ -109,9 +109,9 @@ class EnvTask:
     """A user's agent task: `path` is FILE.py:CLASS, a class whose instance (made with no arguments) has
     `sample(rng) -> Problem` (drawing only from `rng`) and `episode(problem)` -> an object with `step(action) ->
     Turn` (`from zerokl.tasks import Problem, Turn`); a class with `chat = True` (and optionally `tools`, `system`,
-    `thinking`) runs in K3's chat format and its `step` receives a `ChatAction`. Checked at config load (the file imports, the class is there,
-    an instance samples a problem); a `sample` that fails later stops the run naming it, an `episode` or `step` that
-    fails ends its trajectory."""
+    `thinking`) runs in K3's chat format and its `step` receives a `ChatAction`. Checked at config load (the file
+    imports, the class is there, an instance samples a problem); a `sample` that fails later stops the run naming it,
+    an `episode` or `step` that fails ends its trajectory."""
 
     name = "env"
 
