@@ -85,17 +85,19 @@ def chat_prompt_ids(checkpoint: str | Path, messages: Any, tools: Any = None, th
     message or tool, or a checkpoint whose tokenizer predates the chat format."""
     _check_messages(messages)
     _check_tools(tools)
-    tokenizer = _chat_tokenizer(str(checkpoint))
+    tokenizer = chat_tokenizer(str(checkpoint))
     text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
                                          thinking=thinking)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @functools.lru_cache(maxsize=4)
-def _chat_tokenizer(checkpoint: str) -> Any:
-    from transformers import AutoTokenizer
+def chat_tokenizer(checkpoint: str) -> Any:
+    """The checkpoint's tokenizer (`tokenizer.json`, `tokenizer_config.json`: zerokl writes a fast tokenizer) with its
+    chat template; ChatError when it predates K3's chat format."""
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
     if not tokenizer.chat_template or any(tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
                                           for t in CHAT_TOKENS):
         raise ChatError(f"the tokenizer of {checkpoint} has no K3 chat format (no chat template or no "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.io.chat_format import CLOSE, END_OF_MSG, OPEN, SEP, chat_prompt_ids
+from parity.io.chat_format import CLOSE, END_OF_MSG, OPEN, SEP, chat_prompt_ids, chat_tokenizer
 
 _MESSAGE_CLOSE = f"{CLOSE}message{SEP}"
 
@@ -47,7 +47,6 @@ class ChatDialogue:
     `stop_token_ids` end a turn."""
 
     def __init__(self, checkpoint: str | Path, task: Any):
-        from transformers import AutoTokenizer
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.reasoning.kimi_k3_reasoning_parser import KimiK3ReasoningParser
         from vllm.tool_parsers.kimi_k3_tool_parser import KimiK3ToolParser
@@ -57,7 +56,7 @@ class ChatDialogue:
         self.system: str | None = getattr(task, "system", None)
         self.thinking = bool(getattr(task, "thinking", False))
         chat_prompt_ids(checkpoint, [{"role": "user", "content": "check"}], self.tools)  # ChatError: no chat format
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.tokenizer = chat_tokenizer(str(checkpoint))
         kwargs = {"thinking": self.thinking}
         self._request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}],
                                               tools=self.tools, chat_template_kwargs=kwargs)
