@@ -113,6 +113,7 @@ def test_calculator_task_counts_tool_calls_and_errors() -> None:
 
 
 def _env_file(tmp_path: Path, body: str) -> str:
+    tmp_path.mkdir(exist_ok=True)
     (tmp_path / "env.py").write_text("from zerokl.tasks import Problem, Turn\n" + body)
     return str(tmp_path / "env.py")
 
@@ -194,6 +195,22 @@ def test_chat_turns_parse_with_vllms_kimi_k3_parsers_and_the_trajectory_is_the_t
         '<|close|>message<|sep|><|end_of_msg|><|open|>message role="user"<|sep|>higher. Guess:<|close|>message<|sep|>'
         '<|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
     assert guess.episode(Problem("p", "5")).step(chat.action(cut)).done  # the response channel's number: right
+
+
+def test_a_user_chat_environment_declares_its_tools_and_bad_ones_are_refused(k3_tiny: Path, tmp_path: Path) -> None:
+    """A user class with `chat = True` runs in K3's chat format with its own tools and system message; malformed tools
+    are refused before anything starts, naming the tool."""
+    from zerokl.ppo.loop import chat_dialogue
+
+    body = ("class E:\n    chat = True\n    system = 'Be brief.'\n    tools = TOOLS\n"
+            "    def sample(self, rng): return Problem('Hi?', 'x')\n    def episode(self, p): return None\n")
+    good = "TOOLS = [{'type': 'function', 'function': {'name': 'lookup', 'parameters': {'type': 'object'}}}]\n"
+    dialogue = chat_dialogue(k3_tiny, make_task("env", path=f"{_env_file(tmp_path, good + body)}:E"))
+    text = dialogue.tokenizer.decode(dialogue.prompt_ids("Hi?"), skip_special_tokens=False)
+    assert '"name":"lookup"' in text and "Be brief." in text and text.endswith("<|open|>response<|sep|>")
+    bad = "TOOLS = [{'type': 'function', 'function': {'parameters': {}}}]\n"
+    with pytest.raises(ConfigError, match=re.escape("task env: tools[0]: expected")):
+        chat_dialogue(k3_tiny, make_task("env", path=f"{_env_file(tmp_path / 'bad', bad + body)}:E"))
 
 
 @pytest.mark.slow  # starts engines and trainers: scheduled first (conftest.py)
