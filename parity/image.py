@@ -23,11 +23,11 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from parity.config import ModelConfig
+from parity.io.chat_format import IMAGE_PLACEHOLDER  # where an image goes in a prompt: one token per image
 from parity.kernels import Kernels
 from parity.vision import ImageInputs, ImagePatches, ImageRows, vision_tower
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # where an image goes in a prompt: one token per image
 # Modes with 8-bit channels that convert to RGB without losing range; 16-bit, 32-bit and float images do not.
 ACCEPTED_MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "La", "RGBa")
 WHITE = (255, 255, 255)

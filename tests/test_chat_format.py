@@ -86,3 +86,10 @@ def test_a_checkpoint_carries_the_chat_template(k3_tiny: Path) -> None:
         [{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True, thinking=False) \
         == '<|open|>message role="user"<|sep|>x<|close|>message<|sep|><|end_of_msg|>' \
            '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+
+
+def test_an_image_part_is_the_placeholder_the_model_expands(tokenizer) -> None:
+    parts = [{"type": "text", "text": "Look:"}, {"type": "image"}, {"type": "image_url", "image_url": {"url": "a.png"}}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": parts}], tokenize=False, thinking=False)
+    assert text == ('<|open|>message role="user"<|sep|>Look:<|kimi_image_placeholder|><|kimi_image_placeholder|>'
+                    '<|close|>message<|sep|><|end_of_msg|>')

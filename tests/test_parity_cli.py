@@ -201,22 +201,31 @@ CHAT_LINES = [
                                    "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]},
                   {"role": "tool", "name": "calculator", "tool_call_id": "a", "content": "5"}], "tools": [CALC]},
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "you"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is in"},
+                                               {"type": "image_url", "image_url": {"url": "imgs/chat.png"}},
+                                               {"type": "text", "text": "and how many squares?"}]}]},
 ]
 
 
 def test_chat_prompts_with_tools_keep_the_bits(checker: Checker, tmp_path: Path) -> None:
-    """Chat lines (a tool declared, a tool call and its result in the history) mixed with a text line, batched and
-    alone: each is the generation prompt of the checkpoint's chat template, and every log-prob is the trainer's."""
+    """Chat lines (a tool declared, a tool call and its result in the history, an image part) mixed with a text line,
+    batched and alone: each is the generation prompt of the checkpoint's chat template (the image at the placeholder
+    it puts), and every log-prob is the trainer's."""
     from transformers import AutoTokenizer
 
     from parity.io.chat_format import CHAT_TOKENS
+    from rollout.sampling import ImagePrompt
     from zerokl.engine_check import load_prompts
 
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in CHAT_LINES) + "\n")
+    (tmp_path / "imgs").mkdir()
+    picture(50, 30, 7).save(tmp_path / "imgs" / "chat.png")
     prompts = load_prompts(path, checker.tokenizer, checker.cfg.text.vocab_size, 1000, checker.path)
+    assert [len(p.images) if isinstance(p, ImagePrompt) else 0 for p in prompts] == [0, 0, 0, 0, 1]
     tokenizer = AutoTokenizer.from_pretrained(checker.path)
-    for row, ids in zip(CHAT_LINES, prompts):
+    for row, prompt in zip(CHAT_LINES, prompts):
+        ids = prompt.token_ids if isinstance(prompt, ImagePrompt) else prompt
         if "messages" in row:
             text = tokenizer.apply_chat_template(row["messages"], tools=row.get("tools"), add_generation_prompt=True,
                                                  tokenize=False)
@@ -250,6 +259,10 @@ def test_cli_prompt_line_errors(ckpt: Path, kimi_linear_tiny: Path, tmp_path: Pa
              ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "on assistant messages only", ckpt),
              ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]:", ckpt),
              ({"messages": [{"role": "user", "content": "x"}], "images": ["ok.png"]}, "unknown key(s) 'images'", ckpt),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "nope.png"}}]}]},
+              "no such image file", ckpt),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ok.png"}}]}]},
+              "the checkpoint has no vision tower", kimi_linear_tiny),
              ({"messages": [{"role": "user", "content": "x" * 200}]}, "the chat renders to", ckpt),
              ({"messages": [{"role": "user", "content": "x"}]}, "has no K3 chat format", _old_tokenizer(ckpt, tmp_path))]
     for row, message, model in cases:

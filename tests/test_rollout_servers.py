@@ -103,6 +103,35 @@ def test_image_prompts_over_the_server_equal_the_engine(k3_server: tuple[str, Pa
                for a, g in zip(again, got[:2]))
 
 
+def test_an_image_in_a_chat_request_equals_the_engine(k3_server: tuple[str, Path], k3_engine, k3_tiny: Path) -> None:
+    """An OpenAI chat request with an image content part (a PNG data URL): the chat template puts the image
+    placeholder, vLLM's K3 processor expands it, and the tokens and log-probs equal the offline engine's on the
+    template's ids with the same image, bit for bit."""
+    import base64
+    import io
+
+    from parity.io.chat_format import chat_prompt_ids
+
+    image = picture(70, 50, 5)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    parts = [{"type": "text", "text": "How many squares?"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"model": str(k3_tiny), "messages": [{"role": "user", "content": parts}], "max_tokens": 6, "temperature": 1.0,
+            "seed": sample_seed(4, 0), "logprobs": True, "return_token_ids": True}
+    request = urllib.request.Request(f"{k3_server[0]}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        got = json.loads(reply.read())
+    ids = chat_prompt_ids(k3_tiny, [{"role": "user", "content": [parts[0], {"type": "image_url",
+                                                                          "image_url": {"url": "x.png"}}]}])
+    want = k3_engine.generate([ImagePrompt(ids, (image,))], max_tokens=6, temperature=1.0, seed=[4])[0]
+    choice = got["choices"][0]
+    assert got["prompt_token_ids"] == want.prompt_ids and len(want.prompt_ids) > len(ids)  # the image's tokens
+    assert choice["token_ids"] == want.completion_ids
+    assert torch.equal(torch.tensor([c["logprob"] for c in choice["logprobs"]["content"]]), want.logprobs)
+
+
 def test_a_run_training_the_tower_refuses_a_server_holding_it_frozen(k3_server: tuple[str, Path], k3_tiny: Path,
                                                                     tmp_path: Path) -> None:
     """`vision_tower: trainable` against a server started without `--sync-vision-tower`: refused before any step or

@@ -52,7 +52,8 @@ def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_l
     the file] (a K3 `checkpoint` with a vision tower), placed at the prompt's `<|kimi_image_placeholder|>` tokens (one
     per image) or, with none, before the text; the prompt with its images expanded must fit `max_prompt_len`. A chat
     line, {"messages": [...], "tools": [...]} (tools optional), is the generation prompt the checkpoint's chat
-    template renders, as the server's chat endpoint renders it (`parity.io.chat_format.chat_prompt_ids`). Every
+    template renders, as the server's chat endpoint renders it (`parity.io.chat_format.chat_prompt_ids`), its
+    `image_url` parts (file paths relative to the file) the images at the placeholders the template puts. Every
     line is checked (and every image read) before anything runs; the first bad one fails with the file, the line and
     the reason (`DumpError`). Blank lines are skipped."""
     path = Path(path)
@@ -62,7 +63,7 @@ def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_l
     for lineno, row in jsonl_rows(path):
         where = f"{path}:{lineno}"
         if isinstance(row, dict) and "messages" in row:
-            prompts.append(_chat_prompt(row, where, checkpoint, max_prompt_len))
+            prompts.append(_chat_prompt(row, where, path.parent, tokenizer, checkpoint, max_prompt_len))
             continue
         images = row.pop(IMAGES_KEY, None) if isinstance(row, dict) else None
         ids = _prompt_ids(row, where, tokenizer, vocab_size, max_prompt_len)
@@ -73,11 +74,13 @@ def load_prompts(path: str | Path, tokenizer: Any, vocab_size: int, max_prompt_l
     return prompts
 
 
-def _chat_prompt(row: dict, where: str, checkpoint: str | Path | None, max_prompt_len: int) -> list[int]:
-    """The ids of a chat line's generation prompt, refused with the line when malformed or too long."""
+def _chat_prompt(row: dict, where: str, root: Path, tokenizer: Any, checkpoint: str | Path | None,
+                 max_prompt_len: int) -> list[int] | ImagePrompt:
+    """The ids of a chat line's generation prompt, with the images of its image parts (file paths relative to `root`)
+    as an `ImagePrompt`; refused with the line when malformed or too long."""
     import jinja2
 
-    from parity.io.chat_format import ChatError, chat_prompt_ids
+    from parity.io.chat_format import ChatError, chat_images, chat_prompt_ids
 
     unknown = sorted(set(row) - set(CHAT_KEYS))
     if unknown:
@@ -89,6 +92,9 @@ def _chat_prompt(row: dict, where: str, checkpoint: str | Path | None, max_promp
         ids = chat_prompt_ids(checkpoint, row["messages"], row.get("tools"))
     except (ChatError, jinja2.TemplateError) as e:
         raise DumpError(f"{where}: {e}") from None
+    images = chat_images(row["messages"])
+    if images:  # read, and the prompt with them expanded measured, there
+        return _image_prompt(ids, images, where, root, tokenizer, checkpoint, max_prompt_len)
     if len(ids) > max_prompt_len:
         raise DumpError(f"{where}: the chat renders to {len(ids)} tokens; at most {max_prompt_len} fit the engine's "
                         "context with the completion")

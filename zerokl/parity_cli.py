@@ -132,7 +132,8 @@ def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: in
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompts", help='JSONL, one {"prompt": text} or {"prompt_token_ids": [...]} per line, '
                      'optionally with "images": [paths relative to the file] (K3 checkpoints with a vision tower), '
-                     'or a chat line {"messages": [...], "tools": [...]} rendered by the checkpoint\'s chat template')
+                     'or a chat line {"messages": [...], "tools": [...]} rendered by the checkpoint\'s chat template '
+                     '(image_url parts: paths relative to the file)')
     src.add_argument("--num-prompts", type=positive_int, default=num_prompts, help="prompts from the shipped task")
     p.add_argument("--max-tokens", type=positive_int, default=max_tokens)
     p.add_argument("--temperature", type=temperature, default=1.0)

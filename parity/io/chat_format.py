@@ -8,7 +8,8 @@ key=".." type=".."` blocks carry string values raw and every other type as JSON;
 what the model wrote, with thinking on or off. Declared tools come first in a `tool-declare` system message (compact
 JSON, sorted keys), then, when thinking is on (the default; `thinking=False` or `enable_thinking=False` in the template
 kwargs turns it off), a `thinking-effort` system message. The generation prompt opens the assistant message and its
-first channel (`think`, or `response` without thinking). This is the form vLLM's `kimi_k3` tool-call and reasoning
+first channel (`think`, or `response` without thinking). An image content part is the image placeholder token, which
+the model's multimodal processor expands (`parity.image`). This is the form vLLM's `kimi_k3` tool-call and reasoning
 parsers read back; the template is rendered by the tokenizer (`apply_chat_template`), on the server and here alike.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # an image part: the tokenizer's placeholder, which vLLM expands
 CHAT_TOKENS = [OPEN, CLOSE, SEP, END_OF_MSG]
 
 _TOOL_DECLARE = "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
@@ -37,7 +39,8 @@ _MESSAGE_CLOSE = f"{CLOSE}message{SEP}{END_OF_MSG}"
 CHAT_TEMPLATE = "".join([
     "{%- macro esc(v) -%}{{ v | string | replace('&', '&amp;') | replace('\"', '&quot;') }}{%- endmacro -%}",
     "{%- macro body(c) -%}{%- if c is string -%}{{ c }}{%- elif c -%}{%- for p in c -%}"
-    "{%- if p.type == 'text' -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}",
+    "{%- if p.type == 'text' -%}{{ p.text }}{%- elif p.type in ('image', 'image_url') -%}", IMAGE_PLACEHOLDER,
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}",
     "{%- macro xtype(v) -%}{%- if v is boolean -%}boolean{%- elif v is none -%}null{%- elif v is number -%}number"
     "{%- elif v is string -%}string{%- elif v is mapping -%}object{%- else -%}array{%- endif -%}{%- endmacro -%}",
     "{%- if thinking is defined -%}{%- set think = thinking -%}{%- elif enable_thinking is defined -%}"
@@ -116,11 +119,10 @@ def _check_messages(messages: Any) -> None:
         if unknown:
             raise ChatError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}")
         content = m.get("content")
-        parts_ok = isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+        parts_ok = isinstance(content, list) and all(_is_text_part(p) or _image_url(p) for p in content)
         if not (isinstance(content, str) or parts_ok or (content is None and m.get("tool_calls"))):
             raise ChatError(f"{where}: 'content' must be text or a list of {{\"type\": \"text\", \"text\": ...}} "
-                            f"parts (images go in 'prompt' lines), got {content!r}")
+                            f"and {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}} parts, got {content!r}")
         calls = m.get("tool_calls")
         if calls is not None:
             if m["role"] != "assistant" or not isinstance(calls, list):
@@ -131,6 +133,24 @@ def _check_messages(messages: Any) -> None:
                         or not isinstance(f.get("arguments", {}), (dict, str)):
                     raise ChatError(f"{where}.tool_calls[{j}]: expected {{\"function\": {{\"name\": ..., "
                                     f"\"arguments\": {{...}}}}}}, got {call!r}")
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+def _image_url(part: Any) -> str | None:
+    """The URL of an OpenAI image content part (`{"type": "image_url", "image_url": {"url": ...}}`), else None."""
+    if not isinstance(part, dict) or part.get("type") != "image_url" or not isinstance(part.get("image_url"), dict):
+        return None
+    url = part["image_url"].get("url")
+    return url if isinstance(url, str) and url else None
+
+
+def chat_images(messages: list[dict]) -> list[str]:
+    """The URLs of the image parts of (checked) `messages`, in the order the template places them."""
+    return [url for m in messages if isinstance(m.get("content"), list)
+            for url in map(_image_url, m["content"]) if url is not None]
 
 
 def _check_tools(tools: Any) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from parity.io.chat_format import CHAT_TEMPLATE, CHAT_TOKENS
+from parity.io.chat_format import CHAT_TEMPLATE, CHAT_TOKENS, IMAGE_PLACEHOLDER
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|kimi_image_placeholder|>"]
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", IMAGE_PLACEHOLDER]
 
 _WORDS = (
     "the of and to in is it that for on as with was be by this are or from at an which have not you all "
