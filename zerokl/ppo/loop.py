@@ -112,7 +112,7 @@ from parity.io.atomic import commit_partial, partial_path
 from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
 from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
-from zerokl.tasks import RewardError, make_task
+from zerokl.tasks import TASKS, RewardError, make_task
 from zerokl.tasks.chat import ChatDialogue, is_chat_task
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def engine_args_for(cfg: PPOConfig, engine_args: dict[str, Any] | None = None) -
     """The rollout engine's (or server's) settings for the run: `engine_args` (default ENGINE_ARGS), plus prefix
     caching across turns for an agent task."""
     args = dict(engine_args or ENGINE_ARGS)
-    if hasattr(make_task(cfg.task, **(cfg.task_args or {})), "episode"):
+    if hasattr(TASKS[cfg.task], "episode"):  # the task's class: an agent task (the config named a known task)
         args.update(AGENT_ENGINE_ARGS)
     return args
 
