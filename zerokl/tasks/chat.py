@@ -64,9 +64,9 @@ class ChatDialogue:
         self._tool_parser = KimiK3ToolParser  # stateful while streaming: one per turn
         self.stop_token_ids = [self.tokenizer.convert_tokens_to_ids(END_OF_MSG)]
 
-    def _render(self, messages: list[dict], generation: bool, tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation,
-                                                  tokenize=False, thinking=self.thinking)
+    def _render(self, messages: list[dict], generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False,
+                                                  thinking=self.thinking)
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -78,8 +78,9 @@ class ChatDialogue:
         return chat_prompt_ids(self.checkpoint, messages, self.tools, thinking=self.thinking)
 
     def action(self, ids: list[int]) -> ChatAction:
-        """The turn the policy sampled (`ids`, up to and with its stop token), parsed."""
-        text = self.tokenizer.decode([t for t in ids if t not in self.stop_token_ids], skip_special_tokens=False)
+        """The turn the policy sampled (`ids`, up to and with its stop or end-of-sequence token), parsed."""
+        ends = {*self.stop_token_ids, self.tokenizer.eos_token_id}
+        text = self.tokenizer.decode([t for t in ids if t not in ends], skip_special_tokens=False)
         reasoning, rest = (self._reasoning.extract_reasoning(text, self._request) if self.thinking else (None, text))
         parsed = self._tool_parser(self.tokenizer).extract_tool_calls(rest or "", self._request)
         calls = tuple(ToolCall(c.function.name, _arguments(c.function.arguments)) for c in parsed.tool_calls)
