@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity.config import load_model_config
-from parity.io.chat_format import CHAT_TOKENS
+from parity.io.chat_format import ChatError, chat_tokenizer
 from parity.kernels import KERNEL_SETS, get_kernels
 from rollout.lora_server import LORA_ROOT_ENV
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
@@ -104,9 +104,11 @@ def chat_flags(checkpoint: str | Path, auto_tool_choice: bool, tool_call_parser:
         known = _parsers(kind)
         if name not in known:
             raise ValueError(f"{flag} {name}: vLLM has no such {kind} parser (it has: {', '.join(known)})")
-        if name.startswith("kimi_k3") and not _has_k3_chat_tokens(checkpoint):
-            raise ValueError(f"{flag} {name}: the tokenizer of {checkpoint} has no K3 chat format "
-                             f"({', '.join(CHAT_TOKENS)}); write the checkpoint again with zerokl init-checkpoint")
+        if name.startswith("kimi_k3"):
+            try:
+                chat_tokenizer(str(checkpoint))
+            except ChatError as e:
+                raise ValueError(f"{flag} {name}: {e}") from None
         flags += [flag, name]
     return flags
 
@@ -118,15 +120,6 @@ def _parsers(kind: str) -> list[str]:
         return ToolParserManager.list_registered()
     from vllm.reasoning import ReasoningParserManager
     return ReasoningParserManager.list_registered()
-
-
-def _has_k3_chat_tokens(checkpoint: str | Path) -> bool:
-    """Whether the checkpoint's tokenizer holds each of K3's chat tokens as a token of its own."""
-    path = Path(checkpoint) / "tokenizer.json"
-    if not path.is_file():
-        return False
-    added = {t["content"] for t in json.loads(path.read_text()).get("added_tokens", [])}
-    return set(CHAT_TOKENS) <= added
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

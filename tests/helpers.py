@@ -4,7 +4,9 @@ free local port, a vLLM server process for the test's duration, and the settings
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import re
 import signal
 import socket
@@ -123,6 +125,17 @@ def ppo_config_file(out: Path, base: str, checkpoint: Path, steps: int, checkpoi
     path = out / "ppo.yaml"
     path.write_text(text)
     return path
+
+
+def without_chat_template(checkpoint: Path, out: Path) -> Path:
+    """`out`: a copy of `checkpoint`'s config and tokenizer as written before K3's chat format (no chat template)."""
+    out.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(checkpoint / name, out)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 def picture(w: int, h: int, seed: int, mode: str = "RGB") -> Any:

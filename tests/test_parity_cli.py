@@ -14,14 +14,13 @@ import base64
 import io
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from zerokl.cli import main
-from helpers import picture
+from helpers import picture, without_chat_template
 from zerokl.engine_check import ENGINE_ARGS, Checker, selftest, task_prompts
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
@@ -174,18 +173,6 @@ def test_image_prompts_keep_the_bits_and_the_image_is_used(checker: Checker, tmp
     assert torch.equal(checker.score([again], 1.0, [prompts[1]])[0], again.logprobs)
 
 
-def _old_tokenizer(ckpt: Path, root: Path) -> Path:
-    """A copy of `ckpt`'s config and tokenizer as written before K3's chat format (no chat template)."""
-    old = root / "old"
-    old.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        shutil.copy(ckpt / name, old)
-    config = json.loads((ckpt / "tokenizer_config.json").read_text())
-    del config["chat_template"]
-    (old / "tokenizer_config.json").write_text(json.dumps(config))
-    return old
-
-
 # --- chat prompts (the checkpoint's K3 chat template, with tools) -------------------------------------------------
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic",
@@ -264,7 +251,7 @@ def test_cli_prompt_line_errors(ckpt: Path, kimi_linear_tiny: Path, tmp_path: Pa
              ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ok.png"}}]}]},
               "the checkpoint has no vision tower", kimi_linear_tiny),
              ({"messages": [{"role": "user", "content": "x" * 200}]}, "the chat renders to", ckpt),
-             ({"messages": [{"role": "user", "content": "x"}]}, "has no K3 chat format", _old_tokenizer(ckpt, tmp_path))]
+             ({"messages": [{"role": "user", "content": "x"}]}, "has no K3 chat format", without_chat_template(ckpt, tmp_path / "old"))]
     for row, message, model in cases:
         (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
         rc = main(["parity", "check", "--model", str(model), "--prompts", str(tmp_path / "p.jsonl"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
 from rollout import serve
 from parity.io.checkpoint import load_checkpoint
 
-from helpers import K3_ENGINE_ARGS
+from helpers import K3_ENGINE_ARGS, without_chat_template
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
@@ -310,10 +309,7 @@ def test_serve_command_line(tmp_path: Path, kimi_linear_tiny: Path, capsys: pyte
                         (["--reasoning-parser", "kimi_k9"], "no such reasoning parser")):
         args = parser.parse_args(["serve", "--checkpoint", str(kimi_linear_tiny), *flags])
         assert args.func(args) == 2 and says in capsys.readouterr().err, flags
-    old = tmp_path / "old"  # a checkpoint written before the chat format: its tokenizer lacks K3's chat tokens
-    old.mkdir()
-    shutil.copy(kimi_linear_tiny / "config.json", old)
-    (old / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"content": "<|pad|>"}]}))
+    old = without_chat_template(kimi_linear_tiny, tmp_path / "old")  # a checkpoint written before the chat format
     args = parser.parse_args(["serve", "--checkpoint", str(old), "--tool-call-parser", "kimi_k3"])
     assert args.func(args) == 2 and "has no K3 chat format" in capsys.readouterr().err
     assert serve.chat_flags(kimi_linear_tiny, True, "kimi_k3", "kimi_k3") == [

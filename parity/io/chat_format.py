@@ -87,7 +87,7 @@ def chat_prompt_ids(checkpoint: str | Path, messages: Any, tools: Any = None, th
     the checkpoint's chat template and tokenised as the server tokenises it; ChatError names the first malformed
     message or tool, or a checkpoint whose tokenizer predates the chat format."""
     _check_messages(messages)
-    _check_tools(tools)
+    check_tools(tools)
     tokenizer = chat_tokenizer(str(checkpoint))
     text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
                                          thinking=thinking)
@@ -100,7 +100,10 @@ def chat_tokenizer(checkpoint: str) -> Any:
     chat template; ChatError when it predates K3's chat format."""
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
+    except (OSError, ValueError) as e:
+        raise ChatError(f"cannot read the tokenizer of {checkpoint}: {e}") from None
     if not tokenizer.chat_template or any(tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
                                           for t in CHAT_TOKENS):
         raise ChatError(f"the tokenizer of {checkpoint} has no K3 chat format (no chat template or no "
@@ -153,7 +156,8 @@ def chat_images(messages: list[dict]) -> list[str]:
             for url in map(_image_url, m["content"]) if url is not None]
 
 
-def _check_tools(tools: Any) -> None:
+def check_tools(tools: Any) -> None:
+    """ChatError naming the first tool that is not an OpenAI function tool with a name and a JSON-schema object."""
     if tools is None:
         return
     if not isinstance(tools, list):

@@ -88,6 +88,8 @@ class Dialogue(Protocol):
 
     stop_token_ids: list[int]  # besides end-of-sequence, the tokens that end a turn
 
+    def prompt_ids(self, text: str) -> list[int]: ...  # a problem's prompt as the trajectory's first ids
+
     def action(self, ids: list[int]) -> Any: ...  # what the episode's step receives for the turn `ids`
 
     def observation(self, ids: list[int], action: Any, answer: str) -> list[int]: ...  # the ids that follow
@@ -100,6 +102,9 @@ class TextDialogue:
 
     def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str]):
         self.encode, self.decode = encode, decode
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def action(self, ids: list[int]) -> str:
         return self.decode(ids)
@@ -123,8 +128,7 @@ def run_episodes(generate: Callable[..., list[Any]], dialogue: Dialogue, prompts
             break
         samples = generate([runs[i].ids for i in active], n=1, max_tokens=limits.max_tokens, record=True,
                            seed=[sample_seed(seed, turn * len(runs) + i) for i in active],
-                           **({"stop_token_ids": dialogue.stop_token_ids} if dialogue.stop_token_ids else {}),
-                           **sampling)
+                           stop_token_ids=dialogue.stop_token_ids, **sampling)
         for i, sample in zip(active, samples):
             run = runs[i]
             run.add(sample)

@@ -437,8 +437,7 @@ class PPORun:
         episode, token in / token out (`zerokl.ppo.episodes`)."""
         cfg = self.cfg
         dialogue = self.dialogue
-        prompts = [dialogue.prompt_ids(p.prompt) if isinstance(dialogue, ChatDialogue) else
-                   self.tokenizer.encode(p.prompt).ids for p in problems for _ in range(cfg.samples_per_prompt)]
+        prompts = [dialogue.prompt_ids(p.prompt) for p in problems for _ in range(cfg.samples_per_prompt)]
         episodes = [self.task.episode(p) for p in problems for _ in range(cfg.samples_per_prompt)]
         limits = Limits(cfg.max_turns, cfg.max_tokens, self.max_length, cfg.env_timeout_s)
         t0 = time.perf_counter()

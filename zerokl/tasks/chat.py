@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.io.chat_format import CLOSE, END_OF_MSG, OPEN, SEP, chat_prompt_ids, chat_tokenizer
+from parity.io.chat_format import CLOSE, END_OF_MSG, OPEN, SEP, chat_prompt_ids, chat_tokenizer, check_tools
 
 _MESSAGE_CLOSE = f"{CLOSE}message{SEP}"
 
@@ -55,7 +55,7 @@ class ChatDialogue:
         self.tools: list[dict] | None = getattr(task, "tools", None) or None
         self.system: str | None = getattr(task, "system", None)
         self.thinking = bool(getattr(task, "thinking", False))
-        chat_prompt_ids(checkpoint, [{"role": "user", "content": "check"}], self.tools)  # ChatError: no chat format
+        check_tools(self.tools)  # ChatError, as a tokenizer without the chat format
         self.tokenizer = chat_tokenizer(str(checkpoint))
         kwargs = {"thinking": self.thinking}
         self._request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}],
