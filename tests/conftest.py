@@ -129,14 +129,18 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the groups holding a `slow` test first (the two workers then end together, the fast modules filling in
-    around them), each group's tests in their collected order."""
+    """Run the groups holding a `heavy` test first (several engine processes at once, while no session engine is up
+    yet: with the session fixtures' engines alive too they can pass the host's memory), then those holding a `slow`
+    test (the two workers then end together, the fast modules filling in around them), each group's tests in their
+    collected order. `make test` keeps this order (`--no-loadscope-reorder`)."""
     groups = {item.nodeid: _group(item) for item in items}
+    heavy = {groups[item.nodeid] for item in items if item.get_closest_marker("heavy")}
     slow = {groups[item.nodeid] for item in items if item.get_closest_marker("slow")}
     first: dict[str, int] = {}
     for index, item in enumerate(items):
         first.setdefault(groups[item.nodeid], index)
-    items.sort(key=lambda item: (groups[item.nodeid] not in slow, first[groups[item.nodeid]]))
+    items.sort(key=lambda item: (groups[item.nodeid] not in heavy, groups[item.nodeid] not in slow,
+                                 first[groups[item.nodeid]]))
 
 
 @pytest.fixture(scope="session", autouse=True)

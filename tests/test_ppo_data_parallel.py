@@ -18,7 +18,7 @@ import torch
 from helpers import PPO_REFERENCE_CONFIG, ppo_config_file
 from zerokl.ppo.loop import TIMING_KEYS
 
-pytestmark = pytest.mark.slow  # two-rank runs: scheduled first (conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # two-rank runs, an engine each: scheduled first (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 2
