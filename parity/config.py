@@ -76,6 +76,8 @@ class TextConfig:
     index_n_heads: int | None
     index_head_dim: int | None
     index_topk: int | None
+    # Multi-token prediction: draft layers stored after the decoder layers (`num_nextn_predict_layers`), 0 = none
+    num_nextn_predict_layers: int
     bos_token_id: int
     eos_token_id: int
     pad_token_id: int
@@ -233,6 +235,9 @@ def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "t
         if num_experts is None or bad:
             raise ConfigError(f"{where}: MXFP4 experts need num_experts and expert input widths that are multiples of 32 "
                               f"(one scale per 32 values), got {bad or 'no num_experts'}")
+    mtp = _get(d, "num_nextn_predict_layers", where, 0, kind=int)
+    if isinstance(mtp, bool) or mtp < 0:
+        raise ConfigError(f"{where}: num_nextn_predict_layers must be a count >= 0, got {mtp!r}")
     return TextConfig(
         checkpoint_family=checkpoint_family,
         torch_dtype=dtype,
@@ -275,6 +280,7 @@ def parse_text_config(d: dict[str, Any], checkpoint_family: str, where: str = "t
         index_n_heads=d.get("index_n_heads"),
         index_head_dim=d.get("index_head_dim"),
         index_topk=d.get("index_topk"),
+        num_nextn_predict_layers=mtp,
         bos_token_id=int(d.get("bos_token_id", 1)),
         eos_token_id=int(d.get("eos_token_id", 2)),
         pad_token_id=int(d.get("pad_token_id", 0)),

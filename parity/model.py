@@ -47,7 +47,7 @@ from parity.quant import fp8, mxfp4
 from parity.quant.mxfp4 import MXFP4Weight
 from parity.quant.bf16 import holds_bf16_values, mark_bf16_valued
 from parity.quant.ste import straight_through
-from parity.weights import is_quantized, is_row_parallel, packed_names, text_names, text_specs
+from parity.weights import is_quantized, is_row_parallel, mtp_specs, packed_names, text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
 INDEX_NORM_EPS = 1e-6  # the DSA indexer's key LayerNorm (DeepSeek-V3.2's, as vLLM builds it)
@@ -111,6 +111,9 @@ class KDACache:
 
     conv: torch.Tensor  # [B, W-1, 3P] activation dtype (q | k | v pre-conv projections)
     state: torch.Tensor  # [B, H, K, V] fp32 (float64 in gradient checks)
+    # When a list: receives (conv, state) after every token of the next step, token by token (a speculative verify
+    # step, whose accepted length is known only after it: `rollout.caches`). The same bits as one pass.
+    trail: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -188,7 +191,7 @@ class K3Forward:
         bf16 = weights.cfg.compute_dtype == torch.bfloat16
         # Activation dtype: bf16, or in fp32 mode the weights' own dtype (fp32; float64 in gradient checks).
         self.dtype = torch.bfloat16 if bf16 else weights.get(self.names.embed).dtype
-        specs = text_specs(weights.cfg)
+        specs = text_specs(weights.cfg) | mtp_specs(weights.cfg)
         self._to_bf16 = frozenset(n for n, s in specs.items() if not s.fp32) if bf16 else frozenset()
         self._quantized = frozenset(n for n in specs if is_quantized(weights.cfg, n))
         self._row_parallel = frozenset(n for n in specs if is_row_parallel(n))
@@ -328,7 +331,17 @@ class K3Forward:
         g = self.k.kda_gate(f, a_log, self.weight(f"{p}.dt_bias").view(h, d), c.gate_lower_bound)  # fp32
         beta = self.k.sigmoid(wide(self._lin(x, f"{p}.b_proj.weight")))  # [B, T, H] fp32
         valid = torch.arange(t).view(1, t) < lens.view(b, 1)
-        o, cache.state = self.k.kda(q, k, v, g, beta, d**-0.5, cache.state, valid)
+        if cache.trail is None:
+            o, cache.state = self.k.kda(q, k, v, g, beta, d**-0.5, cache.state, valid)
+        else:  # token by token, keeping the conv window and state after each (the recurrence's own order)
+            outs = []
+            for j in range(t):
+                one = slice(j, j + 1)
+                o_j, cache.state = self.k.kda(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one], d**-0.5,
+                                              cache.state, valid[:, one])
+                outs.append(o_j)
+                cache.trail.append((window[:, j + 1 : j + c.conv_kernel], cache.state))
+            o = torch.cat(outs, dim=1)
         if c.use_full_rank_gate:
             gate = self._lin(x, f"{p}.g_proj.weight").view(b, t, h, d)
         else:  # Kimi Linear's low-rank output gate
@@ -499,6 +512,32 @@ class K3Forward:
         if capture is not None:
             capture["final"] = prefix
         return prefix
+
+    # --- MTP draft layers (`parity.weights.mtp_specs`) -----------------------------------------
+    def mtp_hidden(self, k: int, ids: torch.Tensor, pos: torch.Tensor, prev: torch.Tensor, lens: torch.Tensor,
+                   cache: MLACache) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP draft layer `k` (vLLM's `kimi_k3_mtp`): ids, pos [B, T] the tokens to draft from and their positions,
+        prev [B, T, D] the hidden state (before the final norm) that predicted each of them: the target's, or the
+        previous draft step's -> (the normalised hidden state the draft logits read, the hidden state fed to the next
+        draft step), both [B, T, D]. The embedding and hidden state are each RMS-normalised, concatenated and
+        projected (`eh_proj`; the embedding is zero at position 0), then one plain pre-norm decoder block (MLA over
+        `cache`, the layer's own latents; MoE or MLP) without Attention Residuals."""
+        c = self.cfg
+        layer = c.num_hidden_layers + k
+        p = self.names.layer(layer)
+        e = self.embed(ids).to(self.dtype)
+        e = torch.where((pos == 0).unsqueeze(-1), torch.zeros((), dtype=e.dtype), e)
+        both = torch.cat([self._norm(e, f"{p}.enorm.weight"), self._norm(prev.to(self.dtype), f"{p}.hnorm.weight")],
+                         dim=-1)
+        x = self._lin(both, f"{p}.eh_proj.weight")
+        x = x + self._mla(self._norm(x, f"{p}.input_layernorm.weight"), f"{p}.self_attn", cache, pos, lens)
+        h = self._norm(x, f"{p}.post_attention_layernorm.weight")
+        x = x + (self._moe(h, f"{p}.block_sparse_moe") if c.is_moe(layer) else self._mlp(h, f"{p}.mlp"))
+        return self._norm(x, f"{p}.shared_head.norm.weight"), x
+
+    def mtp_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft logits from `mtp_hidden`'s normalised state: the target's lm_head (shared, as vLLM shares it)."""
+        return self._lin(normed, self.names.lm_head)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm then lm_head: [..., D] -> [..., V] in the activation dtype (log-probs upcast them)."""

@@ -284,11 +284,53 @@ def packed_names(name: str) -> tuple[str, str]:
     return f"{base}weight_packed", f"{base}weight_scale"
 
 
+def mtp_specs(c: TextConfig) -> dict[str, WeightSpec]:
+    """The multi-token-prediction draft layers (`num_nextn_predict_layers`, none by default), full official names: layer
+    `num_hidden_layers + k` holds `enorm`, `hnorm`, `eh_proj` [D, 2D] (the embedding of the next token and the
+    target's hidden state, each normalised, concatenated, projected), `shared_head.norm` and a decoder block (MLA,
+    and MoE or MLP as the config places layer L + k) without Attention Residuals. Embedding and lm_head are the
+    target's (vLLM's `kimi_k3_mtp` shares them)."""
+    h, names = c.hidden_size, text_names(c)
+    specs: dict[str, WeightSpec] = {}
+    for layer in mtp_layers(c):
+        p = names.layer(layer)
+        specs.update({f"{p}.enorm.weight": _norm(h), f"{p}.hnorm.weight": _norm(h),
+                      f"{p}.eh_proj.weight": _lin(h, 2 * h), f"{p}.shared_head.norm.weight": _norm(h)})
+        block = layer_specs(replace(c, attn_res_block_size=None), layer)
+        specs.update({f"{p}.{k}": v for k, v in block.items()})
+    return specs
+
+
+def mtp_layers(c: TextConfig) -> range:
+    """Indices of the MTP draft layers: after the decoder layers."""
+    return range(c.num_hidden_layers, c.num_hidden_layers + c.num_nextn_predict_layers)
+
+
+def is_mtp(c: TextConfig, name: str) -> bool:
+    """Whether `name` (official spelling) is a tensor of an MTP draft layer."""
+    match = re.match(rf"{re.escape(text_names(c).layers)}\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= c.num_hidden_layers
+
+
+def written_name(c: TextConfig, name: str) -> str:
+    """The name a checkpoint stores tensor `name` under: its official name, except that K3's MTP layers are spelled
+    `language_model.model.layers.N.` (what vLLM's `kimi_k3_mtp` loader reads; it does not map the other spelling).
+    Reading maps it back (`official_name`)."""
+    if c.checkpoint_family == "kimi_k3" and is_mtp(c, name):
+        return f"{TEXT_PREFIX}.model.layers." + name.removeprefix(f"{text_names(c).layers}.")
+    return name
+
+
 def stored_specs(c: TextConfig) -> dict[str, WeightSpec]:
     """The text tensors as a checkpoint stores them (and the rollout engine holds them): `text_specs`, with each
     quantised weight [N, K] replaced by its uint8 codes [N, K/2] and E8M0 scales [N, K/32]."""
+    return _packed_specs(c, text_specs(c))
+
+
+def _packed_specs(c: TextConfig, specs: Mapping[str, WeightSpec]) -> dict[str, WeightSpec]:
+    """`specs` with each quantised weight replaced by its two stored halves."""
     out: dict[str, WeightSpec] = {}
-    for name, spec in text_specs(c).items():
+    for name, spec in specs.items():
         if is_quantized(c, name):
             n, k = spec.shape
             packed, scale = packed_names(name)
@@ -297,6 +339,11 @@ def stored_specs(c: TextConfig) -> dict[str, WeightSpec]:
         else:
             out[name] = spec
     return out
+
+
+def stored_mtp_specs(c: TextConfig) -> dict[str, WeightSpec]:
+    """`mtp_specs` as a checkpoint stores them (MXFP4 routed experts packed, like the decoder layers')."""
+    return _packed_specs(c, mtp_specs(c))
 
 
 def serving_dtype(c: TextConfig, spec: WeightSpec) -> torch.dtype:

@@ -19,7 +19,7 @@ to the group's longest query; the parity kernels make a row's bits independent o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.kv_cache_interface import KVCacheSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,12 @@ class StepGroup:
         return self.token_index >= 0
 
     @staticmethod
-    def split(layout: StepLayout) -> list[StepGroup]:
-        """Decode rows (one token) and prefill rows (more), each group padded to its own longest row."""
+    def split(layout: StepLayout, short: int = 1) -> list[StepGroup]:
+        """Rows of at most `short` tokens (decodes; with speculative decoding, verify rows of up to 1 + k tokens) and
+        longer rows (prefill chunks), each group padded to its own longest row."""
         qlens = layout.query_lens
         groups = []
-        for rows in ((qlens == 1).nonzero().view(-1), (qlens > 1).nonzero().view(-1)):
+        for rows in ((qlens <= short).nonzero().view(-1), (qlens > short).nonzero().view(-1)):
             if rows.numel() == 0:
                 continue
             lens = qlens[rows]
@@ -171,13 +172,20 @@ class KDAStateLayer(nn.Module, MambaBase):
     """One KDA layer's state in vLLM's hybrid state cache (`kda_state_shapes`): the conv window `[W-1, 3P]` (q | k | v
     inputs, compute dtype) and the recurrent state `[H, K, V]` (fp32); with the Triton kernels the second tensor is
     a flat fp32 record of the whole `parity.kernels.triton.KDAChunkState`: the state at the last chunk boundary,
-    then the pending chunk's inputs `[CHUNK, H, 4K + 1]` (q | k | g | v | beta)."""
+    then the pending chunk's inputs `[CHUNK, H, 4K + 1]` (q | k | g | v | beta).
+
+    With k speculative tokens a request's slot holds k + 1 (conv window, state) pairs and the position `end` its last
+    step ran to: pair i is the state after the first `end - k + i` tokens. A verify step writes the pairs after each
+    of its last k + 1 tokens; the next step, whose context length says how many were accepted, resumes from the pair
+    of exactly the accepted tokens (`read`), so a rejected draft leaves no trace in the state."""
 
     def __init__(self, cfg: TextConfig, kernels: str, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.cfg = cfg
         self.chunked = kernels == "triton"
-        self.shapes = kda_state_shapes(cfg, kernels)
+        self.pairs = vllm_config.num_speculative_tokens + 1
+        self.shapes = kda_state_shapes(cfg, kernels, self.pairs)
+        self.state_shape = (cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)  # one recurrent state
         self.dtypes = kda_state_dtypes(cfg)
         self.prefix = prefix
         self.kv_cache = (torch.tensor([]), torch.tensor([]))
@@ -197,7 +205,68 @@ class KDAStateLayer(nn.Module, MambaBase):
     def get_attn_backend(self) -> type[AttentionBackend]:
         return KDAStateBackend
 
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec | None:
+        """vLLM's state spec with no extra per-draft blocks: the slot itself holds the k + 1 pairs."""
+        spec = super().get_kv_cache_spec(vllm_config)
+        return replace(spec, num_speculative_blocks=0) if isinstance(spec, MambaSpec) else spec
+
     def read(self, meta: KDAStateMetadata, group: StepGroup) -> KDACache:
+        """The state before this step (`_read_pairs` with speculative decoding, else `_read_one`)."""
+        return self._read_one(meta, group) if self.pairs == 1 else self._read_pairs(meta, group)
+
+    def write(self, meta: KDAStateMetadata, group: StepGroup, cache: KDACache) -> None:
+        """Store the state after this step (`_write_pairs` with speculative decoding, else `_write_one`)."""
+        if self.pairs == 1:
+            self._write_one(meta, group, cache)
+        else:
+            self._write_pairs(meta, group, cache)
+
+    def _read_pairs(self, meta: KDAStateMetadata, group: StepGroup) -> KDACache:
+        """The pair of exactly the tokens in the cache (the context length): `end - context` tokens of the last step
+        were rejected. Zeros for a request starting from token 0. A row of at most k + 1 tokens keeps a trail."""
+        idx = meta.state_index[group.rows]
+        context = meta.layout.context_lens[group.rows]
+        k = self.pairs - 1
+        flat = self.kv_cache[1][idx]
+        end = flat[:, -1:].contiguous().view(torch.int32).view(-1).long()
+        pair = context - end + k
+        fresh = context == 0
+        if bool(((pair < 0) | (pair > k))[~fresh].any()):
+            raise RuntimeError(f"KDA state {self.prefix}: context lengths {context.tolist()} are not within the last "
+                               f"{k + 1} tokens of the steps that wrote the states (ends {end.tolist()})")
+        pair = torch.where(fresh, k, pair)
+        rows = torch.arange(len(idx))
+        conv = self.kv_cache[0][idx][rows, pair]
+        state = flat[:, :-1].view(len(idx), self.pairs, *self.state_shape)[rows, pair]
+        keep = (~fresh).view(-1, 1, 1)
+        conv = torch.where(keep, conv, torch.zeros((), dtype=conv.dtype))
+        state = torch.where(keep.view(-1, 1, 1, 1), state, torch.zeros((), dtype=state.dtype))
+        trail = [] if group.token_index.shape[1] <= self.pairs else None
+        return KDACache(conv, state, trail)
+
+    def _write_pairs(self, meta: KDAStateMetadata, group: StepGroup, cache: KDACache) -> None:
+        """Pair i <- the state after token `len - 1 - k + i` of the row (a trail), or pair k <- the final state (a
+        longer row: a prefill chunk, all of whose tokens stay); `end` <- context + len."""
+        idx = meta.state_index[group.rows]
+        k, b = self.pairs - 1, len(idx)
+        lens = group.lens
+        conv_slots = self.kv_cache[0][idx]  # [B, k + 1, W-1, 3P]
+        flat = self.kv_cache[1][idx]
+        states = flat[:, :-1].view(b, self.pairs, *self.state_shape)
+        rows = torch.arange(b)
+        if cache.trail is None:
+            conv_slots[rows, k], states[rows, k] = cache.conv, cache.state
+        else:
+            convs = torch.stack([c for c, _ in cache.trail], dim=1)  # [B, T, W-1, 3P]
+            trail = torch.stack([s for _, s in cache.trail], dim=1)  # [B, T, H, K, V]
+            token = (lens.view(-1, 1) - 1 - k + torch.arange(self.pairs).view(1, -1)).clamp(min=0)  # [B, k + 1]
+            conv_slots = convs[rows.view(-1, 1), token]
+            states = trail[rows.view(-1, 1), token]
+        end = (meta.layout.context_lens[group.rows] + lens).to(torch.int32)
+        self.kv_cache[0][idx] = conv_slots
+        self.kv_cache[1][idx] = torch.cat([states.reshape(b, -1), end.view(-1, 1).view(torch.float32)], dim=1)
+
+    def _read_one(self, meta: KDAStateMetadata, group: StepGroup) -> KDACache:
         """The state before this step: a copy of the slot, or zeros for a request starting from token 0. With the
         Triton kernels the state is a `KDAChunkState` whose pending-token count is the context length modulo the
         chunk (the chunk grid is anchored at position 0)."""
@@ -221,7 +290,7 @@ class KDAStateLayer(nn.Module, MambaBase):
         n = (context % CHUNK).to(state.device)
         return KDACache(conv, KDAChunkState(boundary.view(b, h, d, d), q, k, v, g, beta.squeeze(-1), n))
 
-    def write(self, meta: KDAStateMetadata, group: StepGroup, cache: KDACache) -> None:
+    def _write_one(self, meta: KDAStateMetadata, group: StepGroup, cache: KDACache) -> None:
         idx = meta.state_index[group.rows]
         self.kv_cache[0][idx] = cache.conv
         if not self.chunked:
@@ -240,12 +309,18 @@ def kda_state_dtypes(cfg: TextConfig) -> tuple[torch.dtype, torch.dtype]:
     return cfg.compute_dtype, torch.float32
 
 
-def kda_state_shapes(cfg: TextConfig, kernels: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def kda_state_shapes(cfg: TextConfig, kernels: str, pairs: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(conv window [W-1, 3P], recurrent state [H, K, V]) of one KDA layer; with the Triton kernels the state is
     flat: [H * K * V + CHUNK * H * (4K + 1)] (the boundary state, then q | k | g | v | beta of the tokens past the
-    last chunk boundary; two tensors, so vLLM's align-mode prefix caching copies both whole)."""
+    last chunk boundary; two tensors, so vLLM's align-mode prefix caching copies both whole). With `pairs` > 1
+    (speculative decoding, `KDAStateLayer`): [pairs, W-1, 3P] and [pairs * H * K * V + 1] (the pairs' states, then
+    the step end as int32 bits)."""
     d, h = cfg.kda_head_dim, cfg.kda_num_heads
     conv = (cfg.conv_kernel - 1, 3 * cfg.kda_proj_size)
+    if pairs > 1:
+        if kernels == "triton":
+            raise ValueError("speculative decoding runs on the invariant or fast kernels, not the Triton kernels")
+        return (pairs, *conv), (pairs * h * d * d + 1,)
     if kernels != "triton":
         return conv, (h, d, d)
     from parity.kernels.triton.kda import CHUNK

@@ -38,6 +38,7 @@ from rollout import records
 from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
                               sample_seed)
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
+from rollout.speculative import vllm_speculative_config
 from parity.sync.bundle import Message, SyncError, Transport, WeightBundle, verify
 from parity.sync.transports import SharedMemory
 
@@ -79,6 +80,12 @@ class RolloutEngine:
         if vision_synced and not self.vision:
             raise RolloutError(f"{checkpoint}: a synced vision tower needs the model served with its vision tower")
         overrides = hf_overrides(kernels, model_cfg.model_type, self.vision, vision_synced)
+        self.speculative = engine_args.get("speculative_config") is not None
+        if self.speculative:  # checked (`rollout.speculative`); vLLM counts drafts in its stats (`draft_counts`)
+            engine_args["speculative_config"] = vllm_speculative_config(engine_args["speculative_config"],
+                                                                        model_cfg.text)
+            engine_args.setdefault("disable_log_stats", False)
+            engine_args.setdefault("enable_prefix_caching", False)  # vLLM's default is on; drafts run without it
         with _engine_core_in_process():
             self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,
                            logprobs_mode="processed_logprobs", enforce_eager=True,
@@ -90,6 +97,17 @@ class RolloutEngine:
         self.policy_adapter: LoRARequest | None = None
         self._policy_name, self._policy_spec, self._policy_shapes = "", None, {}
         self._updates = Path(tempfile.mkdtemp(prefix="zerokl-weights-"))
+
+    def draft_counts(self) -> tuple[int, int]:
+        """(draft tokens proposed, draft tokens accepted) since the engine started; (0, 0) without speculative
+        decoding. From vLLM's own speculative-decoding counters."""
+        if not self.speculative:
+            return 0, 0
+        totals = {"vllm:spec_decode_num_draft_tokens": 0, "vllm:spec_decode_num_accepted_tokens": 0}
+        for metric in self.llm.get_metrics():
+            if metric.name in totals:
+                totals[metric.name] += int(getattr(metric, "value", 0))
+        return totals["vllm:spec_decode_num_draft_tokens"], totals["vllm:spec_decode_num_accepted_tokens"]
 
     @property
     def policy_version(self) -> int:

@@ -5,7 +5,8 @@ EngineCore, workers). Both are registered by module path, so nothing heavy is im
 Select the model for an official checkpoint with `hf_overrides(kernels, model_type)` (no checkpoint edit).
 Both families, Kimi K3 (`KimiK3ForConditionalGeneration`) and Kimi Linear (`KimiLinearForCausalLM`), are
 served by the one model class, chosen by overriding `architectures`; vLLM's own classes for those
-architectures stay registered as they are:
+architectures stay registered as they are (the MTP draft architecture `KimiK3MTPModel` is registered to a class that
+builds zerokl's draft only for zerokl's target, `rollout.vllm_mtp`):
 - `architectures` -> `ZeroKLK3ForCausalLM`;
 - the text config's `model_type` -> `zerokl_k3_text` (K3: `text_config.model_type`; Kimi Linear, whose whole
   config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`
@@ -22,6 +23,7 @@ from typing import Any
 
 ARCH = "ZeroKLK3ForCausalLM"
 VISION_ARCH = "ZeroKLK3ForConditionalGeneration"  # K3 with its vision tower (`rollout.vllm_vision`)
+MTP_ARCH = "KimiK3MTPModel"  # vLLM's name for K3's MTP draft (`rollout.vllm_mtp`)
 TEXT_MODEL_TYPE = "zerokl_k3_text"
 KERNELS_KEY = "zerokl_kernels"
 VISION_SYNCED_KEY = "zerokl_vision_synced"
@@ -59,6 +61,8 @@ def register() -> None:
         ModelRegistry.register_model(ARCH, "rollout.vllm_model:ZeroKLK3ForCausalLM")
     if VISION_ARCH not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(VISION_ARCH, "rollout.vllm_vision:ZeroKLK3ForConditionalGeneration")
+    # the MTP draft vLLM's speculative config names for any kimi_k3 target: zerokl's on zerokl's K3, else vLLM's own
+    ModelRegistry.register_model(MTP_ARCH, "rollout.vllm_mtp:KimiK3MTPModel")
     try:
         WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "rollout.weight_transfer",
                                                     "ZeroKLWeightTransferEngine")

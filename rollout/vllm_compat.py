@@ -27,6 +27,29 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
    (`vllm/lora/worker_manager.py:106-175`) is the one place the worker sees an adapter's path; the patch
    first calls the model's `zerokl_load_adapter(lora_request)` when it has one, so the adapter is read and
    validated by `lora.adapter` (an error there fails the load, before vLLM registers anything).
+5. zerokl's MTP draft in vLLM's proposer. `SpecDecodeBaseProposer.load_model`
+   (`vllm/v1/spec_decode/llm_base_proposer.py:1319-1414`) shares the target's embedding and lm_head through the
+   attributes of vLLM's own model classes (`target.model.embed_tokens`, `draft.model`, `draft.config`), which
+   zerokl's classes do not have (they hold the official names). For a draft with `zerokl_share_target`
+   (`rollout.vllm_mtp`) the patch loads it as vLLM does (the draft's attention layers are those it added), as a
+   text-only draft, and lets the draft bind the target's tensors itself.
+6. Seeded draft sampling. With `draft_sample_method: probabilistic` the proposer samples every draft token with
+   exponential noise from the global generator (`compute_probs_and_sample_next_token`, same file, 1822-1860: "TODO:
+   Consider seeds"), so a seeded request's drafts, and with them which tokens it emits, would depend on the rest of
+   the batch. The patch draws a seeded request's noise from its own generator, as vLLM's rejection sampler does
+   for its draws (`vllm/v1/sample/rejection_sampler.py:700-707`).
+7. Per-token sampling parameters in rejection sampling. `expand_batch_to_tokens`
+   (`vllm/v1/sample/rejection_sampler.py:581-620`) spreads each request's temperature (top-k, top-p) over its draft
+   tokens through `expand_kernel`, whose C++ stand-in on a CPU without Triton (`vllm/utils/cpu_triton_utils.py:
+   390-404`) casts the output buffer to int64 and writes into that copy: the float buffer stays uninitialised, so
+   the target's draft-position logits are divided by garbage and their log-probs (and the recovered tokens) are
+   wrong. The patch expands with `torch.repeat_interleave`, the values vLLM's Triton kernel writes.
+8. Log-probs of bonus tokens. In `processed_logprobs` mode the rejection sampler asks its sampler for the bonus rows'
+   processed logits (`logprobs_mode_override="processed_logits"`, `rejection_sampler.py:148-160`), but
+   `Sampler.forward` does not pass the override on to `Sampler.sample` (`vllm/v1/sample/sampler.py:102`), which
+   returns processed log-probs; `_get_logprobs_tensors` then takes `log_softmax` of those log-probs again, one ulp
+   off now and then. The patch takes the target rows' log-probs once and the bonus rows' as the sampler gave them,
+   exactly what plain decoding reports.
 """
 
 from __future__ import annotations
@@ -112,6 +135,86 @@ def _zerokl_adapter_reader(original: Any) -> Any:
     return _load_adapter
 
 
+def _zerokl_draft_loading(original: Any) -> Any:
+    """Wrap `SpecDecodeBaseProposer.load_model`: a zerokl draft is loaded here (see 5. above), any other as vLLM
+    loads it."""
+
+    def load_model(self: Any, target_model: Any) -> None:
+        from rollout.plugin import ARCH, VISION_ARCH
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        if (self.vllm_config.model_config.hf_config.architectures or [""])[0] not in (ARCH, VISION_ARCH):
+            return original(self, target_model)
+        before = set(get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase))
+        model = self._get_model()  # rollout.vllm_mtp.ZeroKLK3MTP for zerokl's target
+        self.model = model
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
+        self._draft_attn_layer_names = {name for name in set(layers) - before
+                                        if layers[name].get_kv_cache_spec(self.vllm_config) is not None}
+        self.supports_mm_inputs = False
+        model.zerokl_share_target(target_model)
+
+    return load_model
+
+
+def _seeded_draft_sampling(original: Any) -> Any:
+    """Wrap `compute_probs_and_sample_next_token(logits, sampling_metadata, use_fp64_gumbel)`: the same sampling,
+    a seeded request's exponential noise drawn from its generator (see 6. above)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import empty_exponential_noise_like, sample_with_exponential_noise
+
+    def compute_probs_and_sample_next_token(logits: torch.Tensor, sampling_metadata: Any,
+                                            use_fp64_gumbel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        if sampling_metadata.all_greedy or not sampling_metadata.generators:
+            return original(logits, sampling_metadata, use_fp64_gumbel)
+        temperature = sampling_metadata.temperature
+        if not sampling_metadata.all_random:
+            is_greedy = temperature < 1e-5  # vLLM's _SAMPLING_EPS
+            temperature = torch.where(is_greedy, 1.0, temperature)
+        logits.div_(temperature.view(-1, 1))
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        q = empty_exponential_noise_like(probs, use_fp64_gumbel)
+        q.exponential_()
+        for row, generator in sampling_metadata.generators.items():
+            if row < q.shape[0]:
+                q[row].exponential_(generator=generator)
+        next_token_ids = sample_with_exponential_noise(probs.clone(), q)
+        if not sampling_metadata.all_random:
+            next_token_ids = torch.where(is_greedy, probs.argmax(dim=-1), next_token_ids)
+        return next_token_ids, probs
+
+    return compute_probs_and_sample_next_token
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
+                           replace_to: int = 0) -> torch.Tensor:
+    """[batch] -> [num_tokens]: request i's value repeated for its tokens (`cu_num_tokens`: cumulative counts), with
+    `replace_from` replaced by `replace_to` (see 7. above)."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.tensor(replace_to, dtype=out.dtype), out)
+
+
+def _bonus_logprobs_once(original: Any) -> Any:
+    """Wrap `RejectionSampler._get_logprobs_tensors`: in processed_logprobs mode, every row a log-prob row before the
+    gather (see 8. above)."""
+
+    def _get_logprobs_tensors(self: Any, max_num_logprobs: int, metadata: Any, logits: torch.Tensor,
+                              target_logits: torch.Tensor, bonus_logits: torch.Tensor,
+                              sampled_token_ids: torch.Tensor) -> Any:
+        if not self.is_processed_logprobs_mode:
+            return original(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids)
+        logits_mode = self.is_logits_logprobs_mode
+        self.is_logits_logprobs_mode = True  # the rows handed on are log-probs already: gathered as they are
+        try:
+            return original(self, max_num_logprobs, metadata, logits, self.sampler.compute_logprobs(target_logits),
+                            bonus_logits, sampled_token_ids)
+        finally:
+            self.is_logits_logprobs_mode = logits_mode
+
+    return _get_logprobs_tensors
+
+
 def apply() -> None:
     """Install the patches above (idempotent); called in the vLLM worker process that builds the model."""
     global _applied
@@ -119,6 +222,8 @@ def apply() -> None:
         return
     from vllm.lora import model_manager
     from vllm.lora.worker_manager import WorkerLoRAManager
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.spec_decode import llm_base_proposer
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -126,4 +231,11 @@ def apply() -> None:
     gpu_model_runner.copy_kv_cache_blocks_inplace = _widest_views_first(gpu_model_runner.copy_kv_cache_blocks_inplace)
     model_manager.get_supported_lora_modules = _declared_lora_modules(model_manager.get_supported_lora_modules)
     WorkerLoRAManager._load_adapter = _zerokl_adapter_reader(WorkerLoRAManager._load_adapter)
+    llm_base_proposer.SpecDecodeBaseProposer.load_model = _zerokl_draft_loading(
+        llm_base_proposer.SpecDecodeBaseProposer.load_model)
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    rejection_sampler.RejectionSampler._get_logprobs_tensors = _bonus_logprobs_once(
+        rejection_sampler.RejectionSampler._get_logprobs_tensors)
+    llm_base_proposer.compute_probs_and_sample_next_token = _seeded_draft_sampling(
+        llm_base_proposer.compute_probs_and_sample_next_token)
     _applied = True

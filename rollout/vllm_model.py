@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from parity.config import ModelConfig, load_model_config
+from parity.config import ModelConfig, TextConfig, load_model_config
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, KDACache, record_routing
 from parity.quant import fp8
@@ -70,6 +70,30 @@ def _copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: 
     return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
 
 
+SPECULATIVE_METHODS = ("mtp",)  # vLLM's MTP proposer with the checkpoint's own draft layers (`rollout.vllm_mtp`)
+
+
+def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
+    """Refuse a speculative config this model cannot keep parity under (ModelSetupError naming the setting): a method
+    other than `SPECULATIVE_METHODS`, a checkpoint without MTP layers, the Triton kernels (their chunked KDA state
+    has no per-token trail) or prefix caching (vLLM's align mode keeps per-draft state blocks; this model keeps the
+    pairs in the request's one slot)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    if spec.method not in SPECULATIVE_METHODS:
+        raise ModelSetupError(f"speculative method {spec.method!r} is not supported by zerokl's K3; use one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+    if not cfg.num_nextn_predict_layers:
+        raise ModelSetupError("speculative method 'mtp' needs MTP draft layers: the checkpoint's "
+                              "num_nextn_predict_layers is 0")
+    if _kernels_name(vllm_config) == "triton":
+        raise ModelSetupError("speculative decoding runs on the invariant or fast kernels, not the Triton kernels")
+    if vllm_config.cache_config.enable_prefix_caching:
+        raise ModelSetupError("speculative decoding with prefix caching is not supported by zerokl's K3: start "
+                              "without --enable-prefix-caching")
+
+
 class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching, SupportsLoRA):
     """K3 text model on the parity kernels, with vLLM-managed MLA latent and KDA state caches, and vLLM LoRA
     computed by the parity kernels (`rollout.lora_table`)."""
@@ -85,8 +109,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             raise ModelSetupError(
                 f"zerokl's K3 computes in the checkpoint's torch_dtype; start vLLM with dtype='{cfg.torch_dtype}' "
                 f"(got {vllm_config.model_config.dtype})")
-        if vllm_config.num_speculative_tokens:
-            raise ModelSetupError("speculative decoding is not supported by zerokl's K3 rollout model")
+        check_speculative(vllm_config, cfg)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
             raise ModelSetupError("zerokl's K3 rollout model runs unsharded: use tensor/pipeline parallel size 1")
@@ -99,6 +122,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         root = parameter_tree({name: (spec.shape, serving_dtype(cfg, spec)) for name, spec in stored.items()})
         for name, child in root.named_children():
             self.add_module(name, child)
+        self.verify_rows = vllm_config.num_speculative_tokens + 1  # longest row of a decode (verify) step
         self.fwd = K3Forward(K3Weights(cfg, self._compute_tensors()), self.kernels)
         self.adapters = AdapterTable(self.fwd, self.kernels)
         self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm_compat)
@@ -147,7 +171,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             records.layout = layout
         routing = None if records is None or not self.cfg.num_moe_layers else torch.full(
             (input_ids.shape[0], *records.shape), NOT_COMPUTED, dtype=torch.int32)
-        for group in StepGroup.split(layout):
+        for group in StepGroup.split(layout, self.verify_rows):
             ids = self.adapters.row_ids(self.lora_manager, group.token_index[:, 0])
             for lora_id in ids.unique().tolist():
                 part = group.subset(ids == lora_id)
@@ -211,7 +235,8 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
     # --- hybrid state cache (vLLM's MambaSpec plumbing) ----------------------------------------
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
-        return kda_state_shapes(checkpoint_config(vllm_config).text, _kernels_name(vllm_config))
+        return kda_state_shapes(checkpoint_config(vllm_config).text, _kernels_name(vllm_config),
+                                vllm_config.num_speculative_tokens + 1)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:

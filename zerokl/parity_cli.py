@@ -23,12 +23,13 @@ from zerokl.argtypes import kernel_set, positive_int, temperature
 from parity.report import write_html
 
 
-def _emit(rep: ParityReport, args: argparse.Namespace, rollout, trainer, title: str, diagnosis: str | None) -> int:
+def _emit(rep: ParityReport, args: argparse.Namespace, rollout, trainer, title: str, diagnosis: str | None,
+          extra: dict | None = None) -> int:
     print(format_report(rep, title))
     if diagnosis:
         print(diagnosis)
     if args.json:
-        payload = rep.to_json() | ({"diagnosis": diagnosis} if diagnosis else {})
+        payload = rep.to_json() | ({"diagnosis": diagnosis} if diagnosis else {}) | (extra or {})
         Path(args.json).write_text(json.dumps(payload, indent=2))
     if args.report:
         print(f"report: {write_html(args.report, rep, rollout, trainer, title, diagnosis)}")
@@ -41,10 +42,26 @@ def _run_diff(args: argparse.Namespace) -> int:
 
 
 def _checker(args: argparse.Namespace, lora: str | None = None):
-    from zerokl.engine_check import Checker
+    from zerokl.engine_check import ENGINE_ARGS, Checker
 
-    return Checker(args.model, kernels=args.kernels, lora=lora, backend=args.backend, zero_stage=_zero_stage(args),
-                   tp=getattr(args, "tp", 1))
+    engine_args = dict(ENGINE_ARGS)
+    if getattr(args, "speculative", None) is not None:
+        engine_args["speculative_config"] = args.speculative
+    return Checker(args.model, kernels=args.kernels, engine_args=engine_args, lora=lora, backend=args.backend,
+                   zero_stage=_zero_stage(args), tp=getattr(args, "tp", 1))
+
+
+def _speculative(args: argparse.Namespace) -> None:
+    """Check --speculative against the checkpoint (in place: vLLM's speculative_config) before anything starts."""
+    from parity.config import load_model_config
+    from rollout.speculative import check_speculative, parse_speculative
+
+    if args.speculative is None:
+        return
+    if args.kernels == "triton":
+        raise ConfigError("--speculative runs on the invariant or fast kernels, not the Triton kernels")
+    args.speculative = check_speculative(parse_speculative(args.speculative), load_model_config(args.model).text,
+                                         "--speculative")
 
 
 def _zero_stage(args: argparse.Namespace) -> int:
@@ -74,14 +91,21 @@ def _prompts(args: argparse.Namespace) -> list:
 def _run_check(args: argparse.Namespace) -> int:
     _zero_stage(args)  # refused before any file is read
     prompts = _prompts(args)
+    _speculative(args)
     if getattr(args, "tp", 1) > 1 and any(not isinstance(p, list) for p in prompts):
         raise ConfigError(f"image prompts with --tp {args.tp} are not built: the TP ranks score token ids only")
     checker = _checker(args, args.lora)
     try:
         res = checker.check(prompts, mix=args.batch_mix, max_tokens=args.max_tokens,
                             temperature=args.temperature, seed=args.seed, diagnose_failures=args.diagnose)
+        drafted, accepted = checker.engine.draft_counts()
     finally:
         checker.close()
+    extra = {}
+    if args.speculative is not None:
+        print(f"drafts: {drafted} proposed, {accepted} accepted ({accepted / max(drafted, 1):.1%}), "
+              f"{drafted - accepted} rejected")
+        extra = {"draft_tokens": drafted, "draft_tokens_accepted": accepted}
     diagnosis = res.diagnosis.describe() if res.diagnosis else None
     if res.mix_mismatch:
         diagnosis = (diagnosis + "; " if diagnosis else "") + \
@@ -89,8 +113,10 @@ def _run_check(args: argparse.Namespace) -> int:
     lora = f", LoRA {args.lora}" if args.lora else ""
     trainer = f"trainer deepspeed ZeRO-{_zero_stage(args)}, " if args.backend == "deepspeed" else ""
     trainer += f"trainer TP = {args.tp}, " if args.tp > 1 else ""
-    title = f"parity check {args.model}{lora} ({trainer}kernels {args.kernels}, batch mix {args.batch_mix})"
-    rc = _emit(res.report, args, res.rollout, res.trainer, title, diagnosis)
+    spec = "" if args.speculative is None else \
+        f", {args.speculative['method']} drafts x{args.speculative['num_speculative_tokens']}"
+    title = f"parity check {args.model}{lora} ({trainer}kernels {args.kernels}, batch mix {args.batch_mix}{spec})"
+    rc = _emit(res.report, args, res.rollout, res.trainer, title, diagnosis, extra)
     return rc if not res.mix_mismatch else 1
 
 
@@ -158,6 +184,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="score with the Megatron trainer at this tensor parallelism, on as many local ranks")
     c.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the first-divergence diagnosis on failure")
+    c.add_argument("--speculative", metavar="JSON",
+                   help='roll out with speculative decoding: {"method": "mtp", "num_speculative_tokens": 1-5, '
+                        '"draft_sample_method": "probabilistic" (default) or "greedy"}; drafts from the '
+                        "checkpoint's MTP layers, verified on the parity kernels")
     c.set_defaults(func=_run_check)
     st = psub.add_parser("selftest", help="one-ulp rollout-side weight perturbations must be detected and localised")
     _add_check_args(st, num_prompts=8, max_tokens=16)

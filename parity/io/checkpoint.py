@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 
 from parity.config import COMPUTE_DTYPES, ConfigError, ModelConfig, load_model_config
 from parity.quant import mxfp4
-from parity.weights import (WeightSpec, is_quantized, official_name, pack_quantized, packed_names, stored_specs,
-                            text_specs)
+from parity.weights import (WeightSpec, is_quantized, mtp_specs, official_name, pack_quantized, packed_names,
+                            stored_mtp_specs, stored_specs, text_specs, written_name)
 from parity.io.atomic import atomic_dir
 from parity.io.tokenizer import build_tokenizer
 from parity.io.vision import vision_specs
@@ -33,9 +33,9 @@ class CheckpointError(ValueError):
 
 
 def all_specs(cfg: ModelConfig) -> dict[str, WeightSpec]:
-    """Every tensor of the checkpoint as stored: text model (`stored_specs`: MXFP4 experts packed), then vision tower
-    and projector (K3 only)."""
-    specs = stored_specs(cfg.text)
+    """Every tensor of the checkpoint as stored: text model (`stored_specs`: MXFP4 experts packed), its MTP draft
+    layers (`stored_mtp_specs`, when the config has them), then vision tower and projector (K3 only)."""
+    specs = stored_specs(cfg.text) | stored_mtp_specs(cfg.text)
     if cfg.vision is not None:
         specs.update(vision_specs(cfg.vision, cfg.text.hidden_size))
     return specs
@@ -72,7 +72,7 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.bfloa
     Invariant: the same (config, seed, dtype) gives the same bits, independent of tensor order elsewhere,
     because each tensor draws from its own generator seeded by (seed, name) (the logical name for a packed one).
     """
-    logical = text_specs(cfg.text)
+    logical = text_specs(cfg.text) | mtp_specs(cfg.text)
     if cfg.vision is not None:
         logical.update(vision_specs(cfg.vision, cfg.text.hidden_size))
     out: dict[str, torch.Tensor] = {}
@@ -123,9 +123,11 @@ def save_checkpoint(
         total = 0
         for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: weights[n].contiguous() for n in names}, str(tmp / fname), metadata={"format": "pt"})
+            written = {n: written_name(cfg.text, n) for n in names}
+            save_file({written[n]: weights[n].contiguous() for n in names}, str(tmp / fname),
+                      metadata={"format": "pt"})
             for n in names:
-                weight_map[n] = fname
+                weight_map[written[n]] = fname
                 total += weights[n].numel() * weights[n].element_size()
             if progress:
                 progress(f"wrote {fname} ({len(names)} tensors)")

@@ -27,7 +27,7 @@ from parity.reference.mla import mla_layer
 from parity.reference.moe import moe_layer
 from parity.reference.ops import gated_mlp, glu_activation, linear, rms_norm
 from parity.reference.residual import ResidualStream
-from parity.weights import text_names, text_specs
+from parity.weights import is_mtp, text_names, text_specs
 from parity.io.checkpoint import load_checkpoint
 
 
@@ -46,7 +46,8 @@ class ReferenceK3:
     def __init__(self, cfg: TextConfig, weights: Mapping[str, Tensor]) -> None:
         """Check `weights` against `parity.weights.text_specs(cfg)` and copy them to float64.
 
-        Tensors outside the text model (K3: outside `language_model.`, the vision tower) are ignored; a missing,
+        Tensors outside the text model (K3: outside `language_model.`, the vision tower) and the MTP draft layers
+        are ignored; a missing,
         misshapen or unexpected text tensor raises ReferenceWeightsError naming it.
         """
         specs, names = text_specs(cfg), text_names(cfg)
@@ -55,7 +56,7 @@ class ReferenceK3:
                 raise ReferenceWeightsError(f"missing text tensor {name}")
             if tuple(weights[name].shape) != spec.shape:
                 raise ReferenceWeightsError(f"{name} has shape {tuple(weights[name].shape)}, config says {spec.shape}")
-        extra = sorted(n for n in weights if n.startswith(names.root) and n not in specs)
+        extra = sorted(n for n in weights if n.startswith(names.root) and n not in specs and not is_mtp(cfg, n))
         if extra:
             raise ReferenceWeightsError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
         self.cfg = cfg

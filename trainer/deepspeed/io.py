@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parity.weights import text_names
+from parity.weights import is_mtp, text_names
 from trainer.deepspeed.module import DeepSpeedK3Model
 from trainer.deepspeed.trainer import DeepSpeedTrainer
 from parity.io.checkpoint import CheckpointError, save_checkpoint
@@ -27,14 +27,14 @@ STATE_TAG = "state"
 def load_official(module: DeepSpeedK3Model, weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.dtype],
                                                                                 dict[str, torch.Tensor]]:
     """Copy every official text tensor into `module` (before `deepspeed.initialize`). Returns (checkpoint dtype
-    per text tensor, the non-text tensors, kept verbatim). Fails naming the first missing, unexpected or
-    misshapen text tensor."""
+    per text tensor, the non-text tensors and the MTP draft layers, kept verbatim). Fails naming the first missing,
+    unexpected or misshapen text tensor."""
     params = module.official_parameters()
     missing = [n for n in params if n not in weights]
     if missing:
         raise CheckpointError(f"{len(missing)} text tensors missing, first: {missing[0]}")
     root = text_names(module.cfg).root
-    extra = [n for n in weights if n.startswith(root) and n not in params]
+    extra = [n for n in weights if n.startswith(root) and n not in params and not is_mtp(module.cfg, n)]
     if extra:
         raise CheckpointError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
     with torch.no_grad():

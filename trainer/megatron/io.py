@@ -27,7 +27,7 @@ from lora.targets import tensor_name
 from trainer.megatron.modules import MegatronK3Model, local_experts
 from trainer.megatron.sharding import Split, lora_splits, shard, split_of, split_roles
 from parity.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from parity.weights import master_weights
+from parity.weights import is_mtp, master_weights
 
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
@@ -37,13 +37,14 @@ def load_official(model: MegatronK3Model, weights: dict[str, torch.Tensor]) -> l
 
     Fails naming the first missing text tensor, unexpected text tensor, or shape mismatch; the vision tower goes
     into its parameters when the model trains it (`MegatronK3Model.add_vision_tower`); other tensors outside the
-    text model (a frozen vision tower) are kept verbatim in `model.passthrough` for export.
+    text model (a frozen vision tower) and the MTP draft layers (frozen: the policy loss does not reach them) are kept
+    verbatim in `model.passthrough` for export.
     """
     roles = split_roles(model.config.k3.text)
     missing = [n for n in roles if n not in weights]
     if missing:
         raise CheckpointError(f"{len(missing)} text tensors missing, first: {missing[0]}")
-    extra = [n for n in weights if n.startswith(model.root) and n not in roles]
+    extra = [n for n in weights if n.startswith(model.root) and n not in roles and not is_mtp(model.config.k3.text, n)]
     if extra:
         raise CheckpointError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()

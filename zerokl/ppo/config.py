@@ -83,6 +83,8 @@ class PPOConfig:
     lora_init: str | None = None  # start from this PEFT adapter directory instead of PEFT's init (B = 0)
     vision_tower: str = "frozen"  # a model with a vision tower: frozen, or trainable (trained with the text model and
     # carried by every weight sync)
+    speculative: dict[str, Any] | None = None  # roll out with the checkpoint's MTP drafts (`rollout.speculative`);
+    # the draft layers stay as the checkpoint has them (the policy loss does not reach them)
 
     @property
     def sampling(self) -> Sampling:
@@ -193,6 +195,7 @@ class PPOConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"ppo config: {name} must be >= 0, got {getattr(self, name)}")
         self._check_vision_tower()
+        self._check_speculative(hasattr(task, "episode"))
         if self.advantage == "gae":
             self._check_gae()
         else:
@@ -230,6 +233,25 @@ class PPOConfig:
             if given:
                 raise ConfigError(f"ppo config: vision_tower: trainable with {what} is not supported ({why}); "
                                   "use vision_tower: frozen")
+
+    def _check_speculative(self, agent: bool) -> None:
+        """speculative: a config `rollout.speculative.check_speculative` accepts for the model, in this process's
+        engine (not an agent task's prefix-cached turns, not the Triton kernels)."""
+        if self.speculative is None:
+            return
+        from rollout.speculative import check_speculative
+
+        refused = {"an agent task": (agent, "its turns reuse the prefix cache, which speculative decoding does not "
+                                            "run with"),
+                   "kernels: triton": (self.kernels == "triton", "the Triton KDA state keeps no per-token trail"),
+                   "rollout servers": (self.rollout_servers is not None or self.num_rollout_servers > 0,
+                                       "the run's own engine drafts; servers are not started with drafts")}
+        for what, (given, why) in refused.items():
+            if given:
+                raise ConfigError(f"ppo config: speculative with {what} is not supported ({why}); drop speculative")
+        if Path(self.model).exists():
+            self.speculative = check_speculative(self.speculative, load_model_config(self.model).text,
+                                                 "ppo config: speculative")
 
     def _check_rollout_servers(self) -> None:
         """rollout_servers (URLs) or num_rollout_servers (started here), not both; what they do not run."""

@@ -188,6 +188,8 @@ def engine_args_for(cfg: PPOConfig, engine_args: dict[str, Any] | None = None) -
     args = dict(engine_args or ENGINE_ARGS)
     if hasattr(TASKS[cfg.task], "episode"):  # the task's class: an agent task (the config named a known task)
         args.update(AGENT_ENGINE_ARGS)
+    if cfg.speculative is not None:
+        args["speculative_config"] = cfg.speculative
     return args
 
 
@@ -228,6 +230,7 @@ class PPORun:
         self.reference = reference_forward(cfg, base) if self.rank0 and cfg.kl_coef > 0 else None
         self.encoder = image_encoder(base, self.backend.model_cfg, cfg.kernels)
         self.engine: Any = None
+        self.drafts = (0, 0)  # the engine's (draft tokens, accepted) when the last metrics were taken
         self.sync: WeightSync | RemoteSync | None = None
         if self.rank0:
             if self.backend.world_size > 1:  # a forked engine process would inherit the multi-rank process group
@@ -714,6 +717,11 @@ class PPORun:
                **({"routing_agreement": report["routing"].fraction} if "routing" in report else {}),
                "time_gen": t_roll, "rollout_tokens_per_s": gen_tokens / t_roll,
                "train_tokens_per_s": train_tokens / t_train if t_train else 0.0}
+        if self.cfg.speculative is not None and self.engine is not None:  # the drafts since the last step's metrics
+            drafted, accepted = self.engine.draft_counts()
+            new_drafts, new_accepted = drafted - self.drafts[0], accepted - self.drafts[1]
+            self.drafts = (drafted, accepted)
+            out.update({"draft_tokens": new_drafts, "draft_acceptance": new_accepted / max(new_drafts, 1)})
         if hasattr(self.task, "episode"):  # multi-turn: turns, environment tokens, prefix hits, environment errors
             env_tokens = sum(int((~s.policy_mask).sum()) for s in samples)
             later = [c for s in samples for c in s.cached_tokens[1:]]  # the requests of turns 2, 3, ...

@@ -1,0 +1,67 @@
+"""The speculative configs zerokl's rollout engine runs under parity, checked before any engine starts.
+
+Drafts come from the checkpoint's MTP layers (`rollout.vllm_mtp`); the target verifies them on the parity kernels and
+keeps the KDA state of exactly the accepted tokens (`rollout.caches.KDAStateLayer`), so every emitted token's
+log-prob is the one plain decoding gives. The dict is vLLM's `speculative_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from parity.config import ConfigError, TextConfig
+
+METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 5
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+KEYS = ("method", "num_speculative_tokens", "draft_sample_method")
+
+
+def parse_speculative(text: str) -> dict[str, Any]:
+    """A JSON object from the command line (`--speculative`), not yet checked against a checkpoint."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative: not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"--speculative: a JSON object like {{\"method\": \"mtp\", \"num_speculative_tokens\": 3}}, "
+                          f"got {text!r}")
+    return spec
+
+
+def check_speculative(spec: Any, cfg: TextConfig, where: str = "speculative") -> dict[str, Any]:
+    """`spec` as vLLM's speculative_config, or ConfigError naming what is wrong: keys other than `KEYS`, a method
+    other than `METHODS`, num_speculative_tokens outside 1..MAX_SPECULATIVE_TOKENS, an unknown draft_sample_method, or a
+    checkpoint without MTP layers."""
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{where}: a mapping with {', '.join(KEYS)}, got {spec!r}")
+    unknown = sorted(set(spec) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; zerokl takes {', '.join(KEYS)}")
+    method = spec.get("method")
+    if method not in METHODS:
+        raise ConfigError(f"{where}: method must be one of {', '.join(METHODS)} (the checkpoint's MTP layers), "
+                          f"got {method!r}")
+    n = spec.get("num_speculative_tokens")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+        raise ConfigError(f"{where}: num_speculative_tokens must be an integer 1..{MAX_SPECULATIVE_TOKENS}, got {n!r}")
+    sample = spec.get("draft_sample_method", "probabilistic")
+    if sample not in DRAFT_SAMPLE_METHODS:
+        raise ConfigError(f"{where}: draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, "
+                          f"got {sample!r}")
+    if not cfg.num_nextn_predict_layers:
+        raise ConfigError(f"{where}: method 'mtp' drafts with the checkpoint's MTP layers, and this checkpoint has "
+                          "none (text_config.num_nextn_predict_layers is 0)")
+    return {"method": method, "num_speculative_tokens": n, "draft_sample_method": sample}
+
+
+def vllm_speculative_config(spec: Any, cfg: TextConfig) -> dict[str, Any]:
+    """`check_speculative`'s config as vLLM takes it for this checkpoint: with MXFP4 experts the draft's quantization
+    is named, since vLLM resolves the draft architecture's compressed-tensors MXFP4 config to `mxfp4`
+    (`vllm/model_executor/models/config.py`, `KimiK3ForConditionalGenerationConfig`) while it would give the draft
+    the target's `compressed-tensors`, and refuses the mismatch. The draft computes on the parity kernels either way."""
+    out = check_speculative(spec, cfg)
+    if cfg.expert_format == "mxfp4":
+        out["quantization"] = "mxfp4"
+    return out

@@ -1,0 +1,87 @@
+"""Speculative decoding with K3's MTP draft under bitwise parity (k3-tiny-mxfp4 carries one MTP layer).
+
+- The KDA trail (`parity.model.KDACache.trail`): in a verify chunk [t0, d1, d2, d3] the conv window and state after
+  the first a tokens are the state of decoding those a tokens alone, bit for bit, for every a (the state the rollout
+  resumes from after a rejection, `rollout.caches.KDAStateLayer`), and the chunk's hidden states are plain decoding's.
+- `zerokl parity check --speculative` (MTP, 3 tokens, probabilistic drafts, batched and alone): every log-prob is the
+  trainer's, bit for bit, and drafts were both accepted and rejected; on the fast kernels the log-probs differ.
+- Bad speculative settings are refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.io.checkpoint import load_checkpoint
+from parity.kernels import get_kernels
+from parity.model import K3Forward, K3Weights, KDACache, new_cache
+from zerokl.cli import main
+
+pytestmark = pytest.mark.slow  # engines and trainers of two parity checks
+SPEC = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"})
+
+
+def _kda_states(caches: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(c.conv, c.state) for c in caches if isinstance(c, KDACache)]
+
+
+def test_verify_chunk_trail_is_the_accepted_tokens_state(k3_tiny_mxfp4: Path) -> None:
+    cfg, weights = load_checkpoint(k3_tiny_mxfp4)
+    fwd = K3Forward(K3Weights.from_official(cfg.text, weights), get_kernels("invariant"))
+    prompt, chunk = [5, 300, 17, 42, 9, 611, 80], [33, 700, 12, 401]
+    prefilled = new_cache(cfg.text, 1, fwd.dtype)
+    fwd.hidden(torch.tensor([prompt]), torch.arange(len(prompt)).view(1, -1), torch.tensor([len(prompt)]), prefilled)
+    verify = copy.deepcopy(prefilled)
+    for cache in verify:
+        if isinstance(cache, KDACache):
+            cache.trail = []
+    pos = torch.arange(len(prompt), len(prompt) + len(chunk)).view(1, -1)
+    chunk_hidden = fwd.hidden(torch.tensor([chunk]), pos, torch.tensor([len(chunk)]), verify)
+    trails = [c.trail for c in verify if isinstance(c, KDACache)]
+    assert len(trails) == len(cfg.text.kda_layers) and all(len(t) == len(chunk) for t in trails)
+    alone = copy.deepcopy(prefilled)
+    for a, token in enumerate(chunk, start=1):  # decode the first a tokens one by one: the accepted-only state
+        hidden = fwd.hidden(torch.tensor([[token]]), pos[:, a - 1 : a], torch.tensor([1]), alone)
+        assert torch.equal(hidden[0, 0], chunk_hidden[0, a - 1])
+        for (conv, state), trail in zip(_kda_states(alone), trails):
+            assert torch.equal(trail[a - 1][0], conv) and torch.equal(trail[a - 1][1], state)
+
+
+def test_mtp_drafts_keep_every_logprob_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["parity", "check", "--model", str(k3_tiny_mxfp4), "--speculative", SPEC, "--batch-mix", "both"]
+    rc = main([*common, "--num-prompts", "8", "--max-tokens", "24", "--json", str(tmp_path / "spec.json")])
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "spec.json").read_text())
+    assert rc == 0 and data["bitwise_equal"] == data["tokens"] > 0 and "mtp drafts x3" in out, out
+    assert 0 < data["draft_tokens_accepted"] < data["draft_tokens"], data  # acceptances and rejections both happened
+    rc = main([*common, "--num-prompts", "4", "--max-tokens", "12", "--kernels", "fast", "--no-diagnose",
+               "--json", str(tmp_path / "fast.json")])
+    fast = json.loads((tmp_path / "fast.json").read_text())
+    assert rc == 1 and fast["bitwise_equal"] < fast["tokens"] and fast["draft_tokens"] > 0, fast
+
+
+def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """One `zerokl: error:` line, exit 2, before any engine or trainer starts."""
+    cases = [(k3_tiny_mxfp4, "{method: mtp}", "not JSON"),
+             (k3_tiny_mxfp4, '["mtp"]', "a JSON object"),
+             (k3_tiny_mxfp4, '{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of mtp"),
+             (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 6}', "integer 1..5"),
+             (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "top"}',
+              "draft_sample_method must be one of"),
+             (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}', "unknown keys ['model']"),
+             (k3_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "num_nextn_predict_layers is 0")]
+    for ckpt, spec, message in cases:
+        assert main(["parity", "check", "--model", str(ckpt), "--speculative", spec]) == 2, spec
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels run here (interpreted): refused with drafts
+    rc = main(["parity", "check", "--model", str(k3_tiny_mxfp4), "--kernels", "triton", "--speculative", SPEC])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not the Triton kernels" in err, err
