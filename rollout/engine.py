@@ -137,6 +137,10 @@ class RolloutEngine:
         seeds = prompt_seeds(prompts, seed)
         loras = self._prompt_loras(prompts, lora)
         check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
+        if self.speculative and (top_p, top_k, min_p) != (None, None, None):
+            raise RolloutError("an engine with drafts samples without truncation: vLLM's speculative sampling does "
+                               "not apply min_p, and its rejection sampler's top_k / top_p are not checked against "
+                               "the trainer's")
         truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}
         requests, params, adapters = [], [], []
         for prompt, s, adapter in zip(prompts, seeds, loras):
@@ -304,6 +308,8 @@ class RolloutEngine:
             raise RolloutError(f"the engine recorded no raw log-prob for some completion tokens of a request "
                                f"(positions {first}..{first + n - 1})")
         routing = recorded.get("routing")
+        if routing is not None:  # positions past the completion: drafts a last verify step computed and did not keep
+            routing = routing[: first + n - 1]
         if self.text_cfg.num_moe_layers and (routing is None or routing.shape[0] != first + n - 1):
             raise RolloutError(f"the engine recorded routing for {0 if routing is None else routing.shape[0]} "
                                f"positions of a request with {first + n - 1} input positions")

@@ -10,7 +10,9 @@ the model a `WorkerRecords`:
   order is the step's token order (`rollout.backends.StepLayout`);
 - hooks on vLLM's sampler take the raw log-probs of the step's logits before any processing, with vLLM's own op
   (`Sampler.compute_logprobs`, what `logprobs_mode="raw_logprobs"` returns), and keep each request's sampled token's,
-  under the position that token takes (a discarded sample of a partial prefill falls inside the prompt).
+  under the position that token takes (a discarded sample of a partial prefill falls inside the prompt); with
+  speculative decoding, hooks on its rejection sampler do the same for every token a verify step keeps (drafts
+  accepted, the recovered or bonus token), from the row that scored it.
 
 `take` returns both and stops recording. A request recomputed after preemption records the same positions again (the
 same bits).
@@ -39,6 +41,9 @@ class WorkerRecords:
         self.raw: dict[str, dict[int, float]] = {}
         self.layout: StepLayout | None = None  # the last forward step's, which the sampler's rows follow
         self._raw_step: torch.Tensor | None = None
+        self._verifying = False  # inside a speculative step's rejection sampling
+        self._drafts: list[int] = []
+        self._raw_verify: torch.Tensor | None = None
 
     def _requests(self, count: int) -> list[str]:
         return list(self.runner.input_batch.req_ids[:count])
@@ -56,10 +61,35 @@ class WorkerRecords:
         """The step's raw log-probs [R, V] (vLLM's raw op, before the sampler processes the logits in place)."""
         from vllm.v1.sample.sampler import Sampler
 
-        self._raw_step = Sampler.compute_logprobs(logits)
+        if not self._verifying:  # the rejection sampler's own call for its bonus rows: `after_verify` records them
+            self._raw_step = Sampler.compute_logprobs(logits)
+
+    def before_verify(self, num_draft_tokens: list[int], logits: torch.Tensor) -> None:
+        """A speculative step's raw log-probs [sum(d_r + 1), V]: request r's d_r draft rows, then its bonus row."""
+        from vllm.v1.sample.sampler import Sampler
+
+        self._verifying, self._drafts = True, list(num_draft_tokens)
+        self._raw_verify = Sampler.compute_logprobs(logits)
+
+    def after_verify(self, sampled: torch.Tensor) -> None:
+        """sampled: [R, 1 + max drafts] the tokens each request keeps (-1 after them): request r's j-th lands at position
+        `seq_lens[r] - d_r + j`, its log-prob from row j of the request's rows."""
+        assert self.layout is not None and self._raw_verify is not None
+        start = 0
+        seq_lens = self.layout.seq_lens.tolist()
+        for r, (request, drafts) in enumerate(zip(self._requests(len(self._drafts)), self._drafts)):
+            kept = [int(t) for t in sampled[r].tolist() if t >= 0]
+            if self.keep is None or self.keep(request):
+                rows = self.raw.setdefault(request, {})
+                for j, token in enumerate(kept):
+                    rows[seq_lens[r] - drafts + j] = float(self._raw_verify[start + j, token])
+            start += drafts + 1
+        self._verifying, self._raw_verify = False, None
 
     def after_sampling(self, sampled: torch.Tensor) -> None:
         """sampled: [R, 1] token ids, row r request r of the step; each lands at position `seq_lens[r]`."""
+        if self._verifying:
+            return
         assert self.layout is not None and self._raw_step is not None
         raw = self._raw_step.gather(1, sampled.long().view(-1, 1)).view(-1).tolist()
         for r, (request, pos) in enumerate(zip(self._requests(len(raw)), self.layout.seq_lens.tolist())):
@@ -105,6 +135,12 @@ def start(worker: Any, keep: Callable[[str], bool] | None = None) -> None:
     hooks = (runner.sampler.register_forward_pre_hook(lambda _m, _a, kw: records.before_sampling(kw["logits"]),
                                                      with_kwargs=True),
              runner.sampler.register_forward_hook(lambda _m, _a, out: records.after_sampling(out.sampled_token_ids)))
+    if getattr(runner, "rejection_sampler", None) is not None and runner.speculative_config is not None:
+        # (spec_decode_metadata, draft_probs, logits, sampling_metadata), positional in the runner's call
+        hooks += (runner.rejection_sampler.register_forward_pre_hook(
+                      lambda _m, args: records.before_verify(args[0].num_draft_tokens, args[2])),
+                  runner.rejection_sampler.register_forward_hook(
+                      lambda _m, _a, out: records.after_verify(out.sampled_token_ids)))
     model.records, model.record_hooks = records, hooks
 
 

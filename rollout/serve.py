@@ -20,6 +20,9 @@ K3's launch recipe flags (`--enable-auto-tool-choice --tool-call-parser kimi_k3 
 its own options: checked here (a parser vLLM has, a K3 parser only on a checkpoint whose tokenizer carries K3's chat
 format, `parity.io.chat_format`), then handed to vLLM, whose chat endpoint renders the checkpoint's chat template
 and returns parsed `tool_calls` and `reasoning`.
+
+`--speculative` serves with drafts from the checkpoint's MTP layers (`rollout.speculative`), verified on the parity
+kernels: completions carry the log-probs plain decoding gives.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from parity.config import load_model_config
+from parity.config import ConfigError, TextConfig, load_model_config
 from parity.io.chat_format import ChatError, chat_tokenizer
 from parity.kernels import KERNEL_SETS, get_kernels
 from rollout.lora_server import LORA_ROOT_ENV
 from rollout.plugin import WEIGHT_BACKEND, hf_overrides
+from rollout.speculative import parse_speculative, vllm_speculative_config
 
 SERVER_WORKER = "rollout.server_worker.ServerWorker"
 SYNC_MIDDLEWARE = "rollout.server_admin.sync_admin"
@@ -113,6 +117,21 @@ def chat_flags(checkpoint: str | Path, auto_tool_choice: bool, tool_call_parser:
     return flags
 
 
+def speculative_flags(spec: str | None, cfg: TextConfig, vllm_args: Sequence[str]) -> list[str]:
+    """vLLM's flags for `--speculative` (`rollout.speculative`: checked against the checkpoint; prefix caching off,
+    which drafts run without); ConfigError for a bad config, ValueError for a speculative or prefix-caching flag
+    among the passed-through vLLM flags, which would bypass that check."""
+    if any(a.split("=")[0] == "--speculative-config" for a in vllm_args):
+        raise ValueError("pass speculative decoding as --speculative JSON (checked against the checkpoint), not as "
+                         "vLLM's --speculative-config")
+    if spec is None:
+        return []
+    if "--enable-prefix-caching" in vllm_args:
+        raise ValueError("--speculative runs without prefix caching; drop --enable-prefix-caching")
+    config = vllm_speculative_config(parse_speculative(spec), cfg)
+    return ["--speculative-config", json.dumps(config), "--no-enable-prefix-caching"]
+
+
 def _parsers(kind: str) -> list[str]:
     """The names of vLLM's registered tool-call (`kind` "tool") or reasoning parsers."""
     if kind == "tool":
@@ -143,6 +162,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the model may call the request's tools on its own (needs --tool-call-parser)")
     p.add_argument("--tool-call-parser", help="vLLM tool-call parser for the chat endpoint (K3: kimi_k3)")
     p.add_argument("--reasoning-parser", help="vLLM reasoning parser for the chat endpoint (K3: kimi_k3)")
+    p.add_argument("--speculative", metavar="JSON",
+                   help='speculative decoding from the checkpoint\'s MTP layers: {"method": "mtp", '
+                        '"num_speculative_tokens": 1-5, "draft_sample_method": "probabilistic" (default) or "greedy"} '
+                        "(verified on the parity kernels: the same log-probs as without drafts; no prefix caching)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="further api_server flags after '--' (e.g. -- --max-model-len 4096)")
     p.set_defaults(func=run)
@@ -172,8 +195,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         extra = [*chat_flags(args.checkpoint, args.enable_auto_tool_choice, args.tool_call_parser,
-                             args.reasoning_parser), *extra]
-    except ValueError as e:
+                             args.reasoning_parser), *speculative_flags(args.speculative, cfg.text, extra), *extra]
+    except (ValueError, ConfigError) as e:
         print(f"zerokl: error: {e}", file=sys.stderr)
         return 2
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,

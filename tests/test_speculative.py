@@ -5,6 +5,8 @@
   resumes from after a rejection, `rollout.caches.KDAStateLayer`), and the chunk's hidden states are plain decoding's.
 - `zerokl parity check --speculative` (MTP, 3 tokens, probabilistic drafts, batched and alone): every log-prob is the
   trainer's, bit for bit, and drafts were both accepted and rejected; on the fast kernels the log-probs differ.
+- `zerokl ppo` with `speculative` (configs/ppo-tiny-mtp.yaml): zero KL every step, the drafts' acceptance in the
+  metrics.
 - Bad speculative settings are refused before anything starts.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,10 @@ from parity.io.checkpoint import load_checkpoint
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, KDACache, new_cache
 from zerokl.cli import main
+from zerokl.ppo.config import load_ppo_config
+from zerokl.ppo.loop import PPORun
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow  # engines and trainers of two parity checks
 SPEC = json.dumps({"method": "mtp", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"})
@@ -66,6 +73,20 @@ def test_mtp_drafts_keep_every_logprob_bitwise(k3_tiny_mxfp4: Path, tmp_path: Pa
     assert rc == 1 and fast["bitwise_equal"] < fast["tokens"] and fast["draft_tokens"] > 0, fast
 
 
+def test_ppo_with_mtp_drafts_keeps_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
+    cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-mtp.yaml"), model=str(k3_tiny_mxfp4), steps=2,
+                  prompts_per_step=4, wandb="disabled")
+    run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
+    try:
+        metrics = [run.run_step().metrics for _ in range(2)]
+    finally:
+        run.close()
+    for m in metrics:
+        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["raw_bitwise_equal_frac"] == 1.0 \
+            and m["routing_agreement"] == 1.0, m
+        assert m["draft_tokens"] > 0 and 0.0 < m["draft_acceptance"] < 1.0, m
+
+
 def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """One `zerokl: error:` line, exit 2, before any engine or trainer starts."""
@@ -79,6 +100,13 @@ def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path
              (k3_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "num_nextn_predict_layers is 0")]
     for ckpt, spec, message in cases:
         assert main(["parity", "check", "--model", str(ckpt), "--speculative", spec]) == 2, spec
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    serve = [(["--speculative", "{bad"], "not JSON"),
+             (["--speculative", SPEC, "--", "--enable-prefix-caching"], "drop --enable-prefix-caching"),
+             (["--", "--speculative-config", SPEC], "pass speculative decoding as --speculative JSON")]
+    for args, message in serve:
+        assert main(["serve", "--checkpoint", str(k3_tiny_mxfp4), *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernels run here (interpreted): refused with drafts
