@@ -139,8 +139,8 @@ class RolloutEngine:
         check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
         if self.speculative and (top_p, top_k, min_p) != (None, None, None):
             raise RolloutError("an engine with drafts samples without truncation: vLLM's speculative sampling does "
-                               "not apply min_p, and its rejection sampler's top_k / top_p are not checked against "
-                               "the trainer's")
+                               "not apply min_p, its CPU rejection sampler fails on top_k in a step without drafts, "
+                               "and its top_p is not checked against the trainer's")
         truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}
         requests, params, adapters = [], [], []
         for prompt, s, adapter in zip(prompts, seeds, loras):

@@ -32,8 +32,8 @@ def parse_speculative(text: str) -> dict[str, Any]:
 
 def check_speculative(spec: Any, cfg: TextConfig, where: str = "speculative") -> dict[str, Any]:
     """`spec` as vLLM's speculative_config, or ConfigError naming what is wrong: keys other than `KEYS`, a method
-    other than `METHODS`, num_speculative_tokens outside 1..MAX_SPECULATIVE_TOKENS, an unknown draft_sample_method, or a
-    checkpoint without MTP layers."""
+    other than `METHODS`, num_speculative_tokens outside 1..MAX_SPECULATIVE_TOKENS, an unknown draft_sample_method, a
+    checkpoint that is not Kimi K3, or one without MTP layers."""
     if not isinstance(spec, dict):
         raise ConfigError(f"{where}: a mapping with {', '.join(KEYS)}, got {spec!r}")
     unknown = sorted(set(spec) - set(KEYS))
@@ -50,6 +50,9 @@ def check_speculative(spec: Any, cfg: TextConfig, where: str = "speculative") ->
     if sample not in DRAFT_SAMPLE_METHODS:
         raise ConfigError(f"{where}: draft_sample_method must be one of {', '.join(DRAFT_SAMPLE_METHODS)}, "
                           f"got {sample!r}")
+    if cfg.checkpoint_family != "kimi_k3":
+        raise ConfigError(f"{where}: MTP drafts are served for Kimi K3 checkpoints (vLLM's kimi_k3_mtp); this one is "
+                          f"{cfg.checkpoint_family}")
     if not cfg.num_nextn_predict_layers:
         raise ConfigError(f"{where}: method 'mtp' drafts with the checkpoint's MTP layers, and this checkpoint has "
                           "none (text_config.num_nextn_predict_layers is 0)")

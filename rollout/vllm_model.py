@@ -70,6 +70,47 @@ def _copy_whole_state(state: torch.Tensor, block_ids: list[int], cur_block_idx: 
     return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
 
 
+def load_official(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]],
+                  skipped: frozenset[str], what: str) -> set[str]:
+    """Copy each checkpoint tensor (either spelling, `parity.weights.official_name`) into its parameter, in the
+    parameter's serving dtype (the cast of `K3Weights.from_official`), except the `skipped` names; fail
+    (ModelSetupError) on any other name, a tensor stored twice, a misshapen one, or a parameter the checkpoint lacks.
+    Returns the names loaded."""
+    loaded: set[str] = set()
+    for stored, tensor in weights:
+        name = official_name(stored)
+        if name in loaded:
+            raise ModelSetupError(f"checkpoint tensor {name} is stored twice (once as {stored})")
+        if name in skipped:
+            continue
+        if name not in params:
+            raise ModelSetupError(f"checkpoint tensor {name} is not a {what} weight of this config")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ModelSetupError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                  f"config says {tuple(params[name].shape)}")
+        params[name].data.copy_(tensor.to(params[name].dtype))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelSetupError(f"checkpoint lacks {len(missing)} {what} weights, first: {missing[0]}")
+    return loaded
+
+
+def compute_tensors(cfg: TextConfig, params: dict[str, nn.Parameter],
+                    names: Iterable[str]) -> dict[str, torch.Tensor | MXFP4Weight]:
+    """What `K3Forward` reads for the weights `names` (`text_specs` / `mtp_specs` names): the parameters themselves,
+    MXFP4 experts as packed views of their two parameters (dequantised inside the linear kernel; a weight sync rewrites
+    the parameters in place)."""
+    tensors: dict[str, torch.Tensor | MXFP4Weight] = {}
+    for name in names:
+        if is_quantized(cfg, name):
+            packed, scale = packed_names(name)
+            tensors[name] = MXFP4Weight(params[packed], params[scale])
+        else:
+            tensors[name] = params[name]
+    return tensors
+
+
 SPECULATIVE_METHODS = ("mtp",)  # vLLM's MTP proposer with the checkpoint's own draft layers (`rollout.vllm_mtp`)
 
 
@@ -78,9 +119,9 @@ def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
     other than `SPECULATIVE_METHODS`, a checkpoint without MTP layers, the Triton kernels (their chunked KDA state
     has no per-token trail) or prefix caching (vLLM's align mode keeps per-draft state blocks; this model keeps the
     pairs in the request's one slot)."""
-    spec = vllm_config.speculative_config
-    if spec is None:
+    if not vllm_config.num_speculative_tokens:
         return
+    spec = vllm_config.speculative_config
     if spec.method not in SPECULATIVE_METHODS:
         raise ModelSetupError(f"speculative method {spec.method!r} is not supported by zerokl's K3; use one of "
                               f"{', '.join(SPECULATIVE_METHODS)}")
@@ -137,17 +178,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         )
 
     def _compute_tensors(self) -> dict[str, torch.Tensor | MXFP4Weight]:
-        """What `K3Forward` reads, by `text_specs` name: the parameters themselves, MXFP4 experts as packed views of
-        their two parameters (dequantised inside the linear kernel; a weight sync rewrites the parameters in place)."""
-        params = dict(self.named_parameters())
-        tensors: dict[str, torch.Tensor | MXFP4Weight] = {}
-        for name in text_specs(self.cfg):
-            if is_quantized(self.cfg, name):
-                packed, scale = packed_names(name)
-                tensors[name] = MXFP4Weight(params[packed], params[scale])
-            else:
-                tensors[name] = params[name]
-        return tensors
+        return compute_tensors(self.cfg, dict(self.named_parameters()), text_specs(self.cfg))
 
     # --- vLLM model interface -------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -209,28 +240,10 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         return self.fwd.logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy each official text tensor (either spelling, `parity.weights.official_name`) into its parameter, in
-        the parameter's serving dtype (the cast of `K3Weights.from_official`); skip the vision tower; fail on any other
-        name, on a tensor stored twice and on any text tensor the checkpoint lacks. Returns the names loaded."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for stored, tensor in weights:
-            name = official_name(stored)
-            if name in loaded:
-                raise ModelSetupError(f"checkpoint tensor {name} is stored twice (once as {stored})")
-            if name in self.skipped_names:
-                continue
-            if name not in params:
-                raise ModelSetupError(f"checkpoint tensor {name} is not a K3 weight of this config")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ModelSetupError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                      f"config says {tuple(params[name].shape)}")
-            params[name].data.copy_(tensor.to(params[name].dtype))
-            loaded.add(name)
-        missing = sorted(self.text_names - loaded)
-        if missing:
-            raise ModelSetupError(f"checkpoint lacks {len(missing)} K3 weights, first: {missing[0]}")
-        return loaded
+        """The checkpoint's text tensors into the parameters (`load_official`), the vision tower and MTP layers
+        skipped."""
+        params = {name: p for name, p in self.named_parameters() if name in self.text_names}
+        return load_official(params, weights, self.skipped_names, "K3")
 
     # --- hybrid state cache (vLLM's MambaSpec plumbing) ----------------------------------------
     @classmethod

@@ -24,12 +24,11 @@ from torch import nn
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.quant import fp8
-from parity.quant.mxfp4 import MXFP4Weight
-from parity.weights import (is_quantized, mtp_layers, mtp_specs, official_name, packed_names, parameter_tree,
-                            serving_dtype, stored_mtp_specs, text_names)
+from parity.io.checkpoint import all_specs
+from parity.weights import mtp_layers, mtp_specs, parameter_tree, serving_dtype, stored_mtp_specs, text_names
 from rollout.caches import LatentCacheLayer, StepGroup
 from rollout.plugin import ARCH, VISION_ARCH
-from rollout.vllm_model import ModelSetupError, _kernels_name, checkpoint_config
+from rollout.vllm_model import ModelSetupError, _kernels_name, checkpoint_config, compute_tensors, load_official
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
@@ -40,13 +39,14 @@ class ZeroKLK3MTP(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        cfg = checkpoint_config(vllm_config).text
+        model_cfg = checkpoint_config(vllm_config)
+        cfg = model_cfg.text
         if not cfg.num_nextn_predict_layers:
             raise ModelSetupError("the checkpoint has no MTP draft layers (num_nextn_predict_layers is 0)")
         self.cfg = cfg
         self.kernels = get_kernels(_kernels_name(vllm_config))
         stored = stored_mtp_specs(cfg)
-        self.mtp_names = frozenset(stored)
+        self.skipped_names = frozenset(all_specs(model_cfg)) - frozenset(stored)  # the target's tensors
         root = parameter_tree({name: (spec.shape, serving_dtype(cfg, spec)) for name, spec in stored.items()})
         for name, child in root.named_children():
             self.add_module(name, child)
@@ -59,14 +59,7 @@ class ZeroKLK3MTP(nn.Module):
     def zerokl_share_target(self, target: nn.Module) -> None:
         """Compute with the target's embedding and lm_head tensors (the same objects: a weight sync into the target
         reaches the draft too) and this draft's own MTP tensors."""
-        params = dict(self.named_parameters())
-        tensors: dict[str, torch.Tensor | MXFP4Weight] = {}
-        for name in mtp_specs(self.cfg):
-            if is_quantized(self.cfg, name):
-                packed, scale = packed_names(name)
-                tensors[name] = MXFP4Weight(params[packed], params[scale])
-            else:
-                tensors[name] = params[name]
+        tensors = compute_tensors(self.cfg, dict(self.named_parameters()), mtp_specs(self.cfg))
         names = text_names(self.cfg)
         shared = dict(target.named_parameters())
         tensors[names.embed], tensors[names.lm_head] = shared[names.embed], shared[names.lm_head]
@@ -106,23 +99,9 @@ class ZeroKLK3MTP(nn.Module):
         return self.fwd.mtp_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy the checkpoint's MTP tensors (either spelling, `official_name`) into their parameters; every other
-        tensor belongs to the target. Fails on a missing MTP tensor or a misshapen one."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for stored, tensor in weights:
-            name = official_name(stored)
-            if name not in self.mtp_names:
-                continue
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ModelSetupError(f"{name}: checkpoint shape {tuple(tensor.shape)}, config says "
-                                      f"{tuple(params[name].shape)}")
-            params[name].data.copy_(tensor.to(params[name].dtype))
-            loaded.add(name)
-        missing = sorted(self.mtp_names - loaded)
-        if missing:
-            raise ModelSetupError(f"checkpoint lacks {len(missing)} MTP draft tensors, first: {missing[0]}")
-        return loaded
+        """The checkpoint's MTP tensors into the parameters (`rollout.vllm_model.load_official`); every other tensor
+        is the target's."""
+        return load_official(dict(self.named_parameters()), weights, self.skipped_names, "K3 MTP draft")
 
 
 class KimiK3MTPModel(nn.Module):

