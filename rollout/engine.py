@@ -137,10 +137,9 @@ class RolloutEngine:
         seeds = prompt_seeds(prompts, seed)
         loras = self._prompt_loras(prompts, lora)
         check_sampling(n, temperature, max_tokens, top_p, top_k, min_p)
-        if self.speculative and (top_p, top_k, min_p) != (None, None, None):
-            raise RolloutError("an engine with drafts samples without truncation: vLLM's speculative sampling does "
-                               "not apply min_p, its CPU rejection sampler fails on top_k in a step without drafts, "
-                               "and its top_p is not checked against the trainer's")
+        if self.speculative and min_p is not None:
+            raise RolloutError("min_p is not applied by vLLM's speculative sampling: an engine with drafts samples "
+                               "without it")
         truncation = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}
         requests, params, adapters = [], [], []
         for prompt, s, adapter in zip(prompts, seeds, loras):

@@ -50,6 +50,10 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
    returns processed log-probs; `_get_logprobs_tensors` then takes `log_softmax` of those log-probs again, one ulp
    off now and then. The patch takes the target rows' log-probs once and the bonus rows' as the sampler gave them,
    exactly what plain decoding reports.
+9. Top-k in a speculative step without drafts. `apply_sampling_constraints` (`rejection_sampler.py:522-578`) hands
+   the draft positions' logits to `apply_top_k_only` (`vllm/v1/sample/ops/topk_topp_sampler.py:515-535`), whose
+   `k.max()` fails on a step with no draft positions (the first step after a prefill): the engine dies. The patch
+   returns such empty logits as they are.
 """
 
 from __future__ import annotations
@@ -215,6 +219,19 @@ def _bonus_logprobs_once(original: Any) -> Any:
     return _get_logprobs_tensors
 
 
+def _constraints_on_no_rows(original: Any) -> Any:
+    """Wrap `apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata)`: logits without rows (a step
+    without drafts) are returned as they are (see 9. above)."""
+
+    def apply_sampling_constraints(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
+                                   sampling_metadata: Any) -> torch.Tensor:
+        if logits.shape[0] == 0:
+            return logits
+        return original(logits, cu_num_draft_tokens, sampling_metadata)
+
+    return apply_sampling_constraints
+
+
 def apply() -> None:
     """Install the patches above (idempotent); called in the vLLM worker process that builds the model."""
     global _applied
@@ -234,6 +251,7 @@ def apply() -> None:
     llm_base_proposer.SpecDecodeBaseProposer.load_model = _zerokl_draft_loading(
         llm_base_proposer.SpecDecodeBaseProposer.load_model)
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    rejection_sampler.apply_sampling_constraints = _constraints_on_no_rows(rejection_sampler.apply_sampling_constraints)
     rejection_sampler.RejectionSampler._get_logprobs_tensors = _bonus_logprobs_once(
         rejection_sampler.RejectionSampler._get_logprobs_tensors)
     llm_base_proposer.compute_probs_and_sample_next_token = _seeded_draft_sampling(

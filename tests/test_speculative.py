@@ -5,8 +5,8 @@
   resumes from after a rejection, `rollout.caches.KDAStateLayer`), and the chunk's hidden states are plain decoding's.
 - `zerokl parity check --speculative` (MTP, 3 tokens, probabilistic drafts, batched and alone): every log-prob is the
   trainer's, bit for bit, and drafts were both accepted and rejected; on the fast kernels the log-probs differ.
-- `zerokl ppo` with `speculative` (configs/ppo-tiny-mtp.yaml): zero KL every step, the drafts' acceptance in the
-  metrics.
+- `zerokl ppo` with `speculative` (configs/ppo-tiny-mtp.yaml), sampling truncated by top-k and top-p: zero KL every
+  step, the drafts' acceptance in the metrics.
 - Bad speculative settings are refused before anything starts.
 """
 
@@ -76,7 +76,7 @@ def test_mtp_drafts_keep_every_logprob_bitwise(k3_tiny_mxfp4: Path, tmp_path: Pa
 
 def test_ppo_with_mtp_drafts_keeps_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-mtp.yaml"), model=str(k3_tiny_mxfp4), steps=2,
-                  prompts_per_step=4, wandb="disabled")
+                  prompts_per_step=4, wandb="disabled", top_k=50, top_p=0.9)  # truncated: the rejection sampler's too
     run = PPORun(cfg, tmp_path / "run", log=lambda _: None)
     try:
         metrics = [run.run_step().metrics for _ in range(2)]
@@ -122,7 +122,7 @@ def test_ppo_refuses_drafts_it_cannot_keep_at_zero_kl(k3_tiny: Path) -> None:
 
     cfg = load_ppo_config(REPO / "configs/ppo-tiny-mtp.yaml")
     for change, message in [({"task": "guess", "task_args": {}}, "an agent task"),
-                            ({"min_p": 0.1}, "min_p"), ({"top_k": 20}, "top_k / top_p"),
+                            ({"min_p": 0.1}, "min_p"),
                             ({"num_rollout_servers": 1}, "rollout servers"),
                             ({"speculative": {"method": "mtp", "num_speculative_tokens": 9}}, "integer 1..5"),
                             ({"model": str(k3_tiny)}, "num_nextn_predict_layers is 0")]:

