@@ -74,8 +74,9 @@ NAMES = {
 # Other spellings of official names that vLLM's K3 loader also reads (its `hf_to_vllm_mapper` maps the written
 # form onto these module paths; torchtitan's K3 key map reads only these). zerokl writes the left-hand form, the
 # names of the released K3 checkpoints, and reads both.
+K3_MODEL_LAYERS = f"{TEXT_PREFIX}.model.layers."  # the other spelling of K3's decoder layers (vLLM's module path)
 ALIASES = (
-    (f"{TEXT_PREFIX}.model.layers.", f"{TEXT_PREFIX}.layers."),
+    (K3_MODEL_LAYERS, f"{TEXT_PREFIX}.layers."),
     ("mm_projector.linear_1.", "mm_projector.proj.0."),
     ("mm_projector.linear_2.", "mm_projector.proj.2."),
 )
@@ -317,7 +318,7 @@ def written_name(c: TextConfig, name: str) -> str:
     `language_model.model.layers.N.` (what vLLM's `kimi_k3_mtp` loader reads; it does not map the other spelling).
     Reading maps it back (`official_name`)."""
     if c.checkpoint_family == "kimi_k3" and is_mtp(c, name):
-        return f"{TEXT_PREFIX}.model.layers." + name.removeprefix(f"{text_names(c).layers}.")
+        return K3_MODEL_LAYERS + name.removeprefix(f"{text_names(c).layers}.")
     return name
 
 

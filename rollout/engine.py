@@ -83,7 +83,7 @@ class RolloutEngine:
         self.speculative = engine_args.get("speculative_config") is not None
         if self.speculative:  # checked (`rollout.speculative`); vLLM counts drafts in its stats (`draft_counts`)
             engine_args["speculative_config"] = vllm_speculative_config(engine_args["speculative_config"],
-                                                                        model_cfg.text)
+                                                                        model_cfg.text, kernels)
             engine_args.setdefault("disable_log_stats", False)
             engine_args.setdefault("enable_prefix_caching", False)  # vLLM's default is on; drafts run without it
         with _engine_core_in_process():

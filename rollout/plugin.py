@@ -52,6 +52,11 @@ def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3", vision
     return {"architectures": [VISION_ARCH if vision else ARCH], **text, KERNELS_KEY: kernels, **synced}
 
 
+def serves_zerokl(hf_config: Any) -> bool:
+    """Whether a vLLM model config (`hf_config`) is one `hf_overrides` made: zerokl's model serves it."""
+    return (getattr(hf_config, "architectures", None) or [""])[0] in (ARCH, VISION_ARCH)
+
+
 def register() -> None:
     """Entry point; idempotent (vLLM may load plugins more than once per process)."""
     from vllm import ModelRegistry

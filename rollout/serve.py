@@ -117,7 +117,7 @@ def chat_flags(checkpoint: str | Path, auto_tool_choice: bool, tool_call_parser:
     return flags
 
 
-def speculative_flags(spec: str | None, cfg: TextConfig, vllm_args: Sequence[str]) -> list[str]:
+def speculative_flags(spec: str | None, cfg: TextConfig, kernels: str, vllm_args: Sequence[str]) -> list[str]:
     """vLLM's flags for `--speculative` (`rollout.speculative`: checked against the checkpoint; prefix caching off,
     which drafts run without); ConfigError for a bad config, ValueError for a speculative or prefix-caching flag
     among the passed-through vLLM flags, which would bypass that check."""
@@ -128,7 +128,7 @@ def speculative_flags(spec: str | None, cfg: TextConfig, vllm_args: Sequence[str
         return []
     if "--enable-prefix-caching" in vllm_args:
         raise ValueError("--speculative runs without prefix caching; drop --enable-prefix-caching")
-    config = vllm_speculative_config(parse_speculative(spec), cfg)
+    config = vllm_speculative_config(parse_speculative(spec), cfg, kernels)
     return ["--speculative-config", json.dumps(config), "--no-enable-prefix-caching"]
 
 
@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         extra = [*chat_flags(args.checkpoint, args.enable_auto_tool_choice, args.tool_call_parser,
-                             args.reasoning_parser), *speculative_flags(args.speculative, cfg.text, extra), *extra]
+                             args.reasoning_parser), *speculative_flags(args.speculative, cfg.text, args.kernels, extra),
+                 *extra]
     except (ValueError, ConfigError) as e:
         print(f"zerokl: error: {e}", file=sys.stderr)
         return 2

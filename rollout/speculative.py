@@ -30,10 +30,13 @@ def parse_speculative(text: str) -> dict[str, Any]:
     return spec
 
 
-def check_speculative(spec: Any, cfg: TextConfig, where: str = "speculative") -> dict[str, Any]:
+def check_speculative(spec: Any, cfg: TextConfig, kernels: str, where: str = "speculative") -> dict[str, Any]:
     """`spec` as vLLM's speculative_config, or ConfigError naming what is wrong: keys other than `KEYS`, a method
     other than `METHODS`, num_speculative_tokens outside 1..MAX_SPECULATIVE_TOKENS, an unknown draft_sample_method, a
-    checkpoint that is not Kimi K3, or one without MTP layers."""
+    checkpoint that is not Kimi K3, or one without MTP layers, or the Triton kernels (their chunked KDA state keeps no
+    state per token for a rejection to resume from)."""
+    if kernels == "triton":
+        raise ConfigError(f"{where}: speculative decoding runs on the invariant or fast kernels, not the Triton kernels")
     if not isinstance(spec, dict):
         raise ConfigError(f"{where}: a mapping with {', '.join(KEYS)}, got {spec!r}")
     unknown = sorted(set(spec) - set(KEYS))
@@ -59,12 +62,12 @@ def check_speculative(spec: Any, cfg: TextConfig, where: str = "speculative") ->
     return {"method": method, "num_speculative_tokens": n, "draft_sample_method": sample}
 
 
-def vllm_speculative_config(spec: Any, cfg: TextConfig) -> dict[str, Any]:
+def vllm_speculative_config(spec: Any, cfg: TextConfig, kernels: str) -> dict[str, Any]:
     """`check_speculative`'s config as vLLM takes it for this checkpoint: with MXFP4 experts the draft's quantization
     is named, since vLLM resolves the draft architecture's compressed-tensors MXFP4 config to `mxfp4`
     (`vllm/model_executor/models/config.py`, `KimiK3ForConditionalGenerationConfig`) while it would give the draft
     the target's `compressed-tensors`, and refuses the mismatch. The draft computes on the parity kernels either way."""
-    out = check_speculative(spec, cfg)
+    out = check_speculative(spec, cfg, kernels)
     if cfg.expert_format == "mxfp4":
         out["quantization"] = "mxfp4"
     return out

@@ -34,8 +34,8 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
    (`rollout.vllm_mtp`) the patch loads it as vLLM does (the draft's attention layers are those it added), as a
    text-only draft, and lets the draft bind the target's tensors itself.
 6. Seeded draft sampling. With `draft_sample_method: probabilistic` the proposer samples every draft token with
-   exponential noise from the global generator (`compute_probs_and_sample_next_token`, same file, 1822-1860: "TODO:
-   Consider seeds"), so a seeded request's drafts, and with them which tokens it emits, would depend on the rest of
+   exponential noise from the global generator (`compute_probs_and_sample_next_token`, same file, 1822-1860, whose
+   own comment says seeds are not yet considered), so a seeded request's drafts, and with them which tokens it emits, would depend on the rest of
    the batch. The patch draws a seeded request's noise from its own generator, as vLLM's rejection sampler does
    for its draws (`vllm/v1/sample/rejection_sampler.py:700-707`).
 7. Per-token sampling parameters in rejection sampling. `expand_batch_to_tokens`
@@ -144,11 +144,11 @@ def _zerokl_draft_loading(original: Any) -> Any:
     loads it."""
 
     def load_model(self: Any, target_model: Any) -> None:
-        from rollout.plugin import ARCH, VISION_ARCH
+        from rollout.plugin import serves_zerokl
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-        if (self.vllm_config.model_config.hf_config.architectures or [""])[0] not in (ARCH, VISION_ARCH):
+        if not serves_zerokl(self.vllm_config.model_config.hf_config):
             return original(self, target_model)
         before = set(get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase))
         model = self._get_model()  # rollout.vllm_mtp.ZeroKLK3MTP for zerokl's target
@@ -166,6 +166,7 @@ def _seeded_draft_sampling(original: Any) -> Any:
     """Wrap `compute_probs_and_sample_next_token(logits, sampling_metadata, use_fp64_gumbel)`: the same sampling,
     a seeded request's exponential noise drawn from its generator (see 6. above)."""
     from vllm.v1.sample.ops.topk_topp_sampler import empty_exponential_noise_like, sample_with_exponential_noise
+    from vllm.v1.sample.sampler import _SAMPLING_EPS
 
     def compute_probs_and_sample_next_token(logits: torch.Tensor, sampling_metadata: Any,
                                             use_fp64_gumbel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +174,7 @@ def _seeded_draft_sampling(original: Any) -> Any:
             return original(logits, sampling_metadata, use_fp64_gumbel)
         temperature = sampling_metadata.temperature
         if not sampling_metadata.all_random:
-            is_greedy = temperature < 1e-5  # vLLM's _SAMPLING_EPS
+            is_greedy = temperature < _SAMPLING_EPS
             temperature = torch.where(is_greedy, 1.0, temperature)
         logits.div_(temperature.view(-1, 1))
         probs = logits.softmax(dim=-1, dtype=torch.float32)

@@ -32,7 +32,7 @@ from parity.routing import NOT_COMPUTED
 from parity.quant.mxfp4 import MXFP4Weight
 from parity.weights import (is_quantized, official_name, packed_names, parameter_tree, serving_dtype, stored_specs,
                             text_specs)
-from rollout import vllm_compat
+from rollout import speculative, vllm_compat
 from lora.targets import suffixes
 from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes
 from rollout.lora_table import AdapterTable
@@ -111,20 +111,17 @@ def compute_tensors(cfg: TextConfig, params: dict[str, nn.Parameter],
     return tensors
 
 
-SPECULATIVE_METHODS = ("mtp",)  # vLLM's MTP proposer with the checkpoint's own draft layers (`rollout.vllm_mtp`)
-
-
 def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
     """Refuse a speculative config this model cannot keep parity under (ModelSetupError naming the setting): a method
-    other than `SPECULATIVE_METHODS`, a checkpoint without MTP layers, the Triton kernels (their chunked KDA state
+    other than `speculative.METHODS`, a checkpoint without MTP layers, the Triton kernels (their chunked KDA state
     has no per-token trail) or prefix caching (vLLM's align mode keeps per-draft state blocks; this model keeps the
     pairs in the request's one slot)."""
     if not vllm_config.num_speculative_tokens:
         return
     spec = vllm_config.speculative_config
-    if spec.method not in SPECULATIVE_METHODS:
+    if spec.method not in speculative.METHODS:
         raise ModelSetupError(f"speculative method {spec.method!r} is not supported by zerokl's K3; use one of "
-                              f"{', '.join(SPECULATIVE_METHODS)}")
+                              f"{', '.join(speculative.METHODS)}")
     if not cfg.num_nextn_predict_layers:
         raise ModelSetupError("speculative method 'mtp' needs MTP draft layers: the checkpoint's "
                               "num_nextn_predict_layers is 0")

@@ -27,7 +27,7 @@ from parity.quant import fp8
 from parity.io.checkpoint import all_specs
 from parity.weights import mtp_layers, mtp_specs, parameter_tree, serving_dtype, stored_mtp_specs, text_names
 from rollout.caches import LatentCacheLayer, StepGroup
-from rollout.plugin import ARCH, VISION_ARCH
+from rollout.plugin import serves_zerokl
 from rollout.vllm_model import ModelSetupError, _kernels_name, checkpoint_config, compute_tensors, load_official
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
@@ -109,8 +109,7 @@ class KimiK3MTPModel(nn.Module):
     own `KimiK3MTP` otherwise."""
 
     def __new__(cls, *, vllm_config: VllmConfig, prefix: str = "") -> Any:  # type: ignore[misc]
-        target = (vllm_config.model_config.hf_config.architectures or [""])[0]
-        if target in (ARCH, VISION_ARCH):
+        if serves_zerokl(vllm_config.model_config.hf_config):
             return ZeroKLK3MTP(vllm_config=vllm_config, prefix=prefix)
         from vllm.models.kimi_k3 import KimiK3MTP
 

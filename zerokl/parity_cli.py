@@ -58,10 +58,8 @@ def _speculative(args: argparse.Namespace) -> None:
 
     if args.speculative is None:
         return
-    if args.kernels == "triton":
-        raise ConfigError("--speculative runs on the invariant or fast kernels, not the Triton kernels")
     args.speculative = check_speculative(parse_speculative(args.speculative), load_model_config(args.model).text,
-                                         "--speculative")
+                                         args.kernels, "--speculative")
 
 
 def _zero_stage(args: argparse.Namespace) -> int:

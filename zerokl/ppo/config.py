@@ -236,14 +236,13 @@ class PPOConfig:
 
     def _check_speculative(self, agent: bool) -> None:
         """speculative: a config `rollout.speculative.check_speculative` accepts for the model, in this process's
-        engine (not an agent task's prefix-cached turns, not the Triton kernels, no min_p)."""
+        engine (not an agent task's prefix-cached turns, no min_p)."""
         if self.speculative is None:
             return
         from rollout.speculative import check_speculative
 
         refused = {"an agent task": (agent, "its turns reuse the prefix cache, which speculative decoding does not "
                                             "run with"),
-                   "kernels: triton": (self.kernels == "triton", "the Triton KDA state keeps no per-token trail"),
                    "min_p": (self.min_p is not None, "vLLM's speculative sampling does not apply it"),
                    "rollout servers": (self.rollout_servers is not None or self.num_rollout_servers > 0,
                                        "the run's own engine drafts; servers are not started with drafts")}
@@ -251,7 +250,8 @@ class PPOConfig:
             if given:
                 raise ConfigError(f"ppo config: speculative with {what} is not supported ({why}); drop speculative")
         if Path(self.model).exists():
-            check_speculative(self.speculative, load_model_config(self.model).text, "ppo config: speculative")
+            check_speculative(self.speculative, load_model_config(self.model).text, self.kernels,
+                              "ppo config: speculative")
 
     def _check_rollout_servers(self) -> None:
         """rollout_servers (URLs) or num_rollout_servers (started here), not both; what they do not run."""
