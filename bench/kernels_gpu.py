@@ -11,7 +11,7 @@ each input and output must move once; inputs rotate over enough copies to exceed
 timing is the median of many runs, replayed from a CUDA graph when the op can be captured (so Python
 launch cost is not counted for either side), else timed eagerly with CUDA events.
 
-Usage: python bench/kernels_gpu.py [--sweep] [--profile] [--goals] [--no-table] [--only OPS]
+Usage: python bench/kernels_gpu.py [--sweep] [--profile] [--goals] [--host] [--no-table] [--only OPS]
 """
 
 from __future__ import annotations
@@ -141,16 +141,29 @@ def print_breakdown(label: str, fn: Callable[[int], object]) -> None:
 
 PROFILED = {  # op group -> shapes whose kernels are listed one by one (`--profile`)
     "linear": ("4096x4096 M=4096", "k3-full 7168x7168 M=1", "k3-full 7168x7168 M=64"),
-    "kda": ("goal H=16 d=128 T=4096", "goal H=16 d=128 T=1"),
+    "kda": ("goal H=16 d=128 T=4096", "goal H=16 d=128 T=16384", "goal H=16 d=128 fp32 q,k T=4096",
+            "k3-1b decode B=64 H=12 d=128 fp32 q,k T=1"),
     "attention": ("prefill Tq=4096 S=4096 H=16 d=192/128", "decode B=64 Tq=1 S=4096 H=16 d=192/128"),
+    "moe": ("E=64 L=3584 I=3072 k=16 N=64",),
 }
 
 
 GOALS = {  # op group -> the issue's goal shapes, timed alternately with their baselines (`--goals`)
-    "linear": ("4096x4096 M=4096", "4096x4096 M=1", "4096x4096 M=64", "k3-full 7168x7168 M=1",
-               "k3-full 7168x7168 M=64"),
-    "kda": ("goal H=16 d=128 T=4096",),
-    "attention": ("prefill Tq=4096 S=4096 H=16 d=192/128", "decode B=8 Tq=1 S=4096 H=16 d=192/128"),
+    "linear": ("4096x4096 M=4096", "k3-full 7168x7168 M=8192", "4096x4096 M=1", "4096x4096 M=64",
+               "k3-full 7168x7168 M=1", "k3-full 7168x7168 M=64"),
+    "kda": ("goal H=16 d=128 T=4096", "goal H=16 d=128 T=16384", "goal H=16 d=128 T=65536"),
+    "attention": ("prefill Tq=4096 S=4096 H=16 d=192/128", "prefill Tq=16384 S=16384 H=16 d=192/128",
+                  "decode B=64 Tq=1 S=4096 H=16 d=192/128"),
+    "moe": ("E=64 L=3584 I=3072 k=16 N=1", "E=64 L=3584 I=3072 k=16 N=64", "E=64 L=3584 I=3072 k=16 N=4096"),
+}
+HOST = {  # op group -> shapes whose host time per eager call is measured (`--host`): decode-sized, GPU time small
+    "linear": ("4096x4096 M=1", "4096x4096 M=64"),
+    "rowwise": ("D=7168 M=1", "I=3072 M=1"),
+    "conv": ("k3-full D=36864 T=1",),
+    "kda": ("goal H=16 d=128 T=1", "goal H=16 d=128 T=64"),
+    "attention": ("decode B=8 Tq=1 S=4096 H=16 d=192/128",),
+    "misc": ("n=8 D=7168 N=1", "E=896 k=16 N=1", "V=163840 fp32 N=1"),
+    "moe": ("E=64 L=3584 I=3072 k=16 N=1",),
 }
 
 
@@ -186,6 +199,35 @@ def goal_rounds(tk, groups: list[str], rounds: int = 7) -> None:
         spread = lambda xs: f"{min(xs):.4f} / {statistics.median(xs):.4f} / {max(xs):.4f}"  # noqa: E731
         ratio = statistics.median(a / b for a, b in zip(ti, tb))
         print(f"| {c.op} | {c.shape} | {spread(ti)} | {spread(tb)} | {ratio:.3f}x |")
+        sys.stdout.flush()
+    torch.cuda.empty_cache()
+
+
+def host_us(fn: Callable[[int], object], reps: int = 50) -> float:
+    """Median host time of one eager call in microseconds: the device idle before each call (synchronised, not
+    counted), the clock read when the call returns (argument handling, descriptors, launches; not the kernels)."""
+    import time
+
+    for _ in range(3):
+        fn(0)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(0)
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def host_times(tk, groups: list[str]) -> None:
+    """The `HOST` shapes: host microseconds per eager call, invariant and baseline."""
+    print("\n## Host time per eager call (us; median of 50, device idle before each call)")
+    print("| op | shape | invariant us | baseline | baseline us | invariant / baseline |\n|---|---|---|---|---|---|")
+    for c in _selected(tk, HOST, groups):
+        hi = host_us(c.inv)
+        hb = host_us(c.base) if c.base is not None else float("nan")
+        print(f"| {c.op} | {c.shape} | {hi:.1f} | {c.base_name} | {hb:.1f} | {hi / hb:.2f}x |")
         sys.stdout.flush()
     torch.cuda.empty_cache()
 
@@ -229,9 +271,13 @@ def linear_cases(tk) -> list[Case]:
             ws = [rnd(n, k, scale=k**-0.5) for _ in range(s)]
             out.append(Case("linear", f"{name} M={m}", lambda i, xs=xs, ws=ws: tk.TRITON.linear(xs[i], ws[i]),
                             lambda i, xs=xs, ws=ws: torch.matmul(xs[i], ws[i].t()), "cuBLAS", 2.0 * m * n * k, nb, s))
+    n = k = 7168
+    m = 8192  # the issue's prefill goal shape
+    x, w = rnd(m, k), rnd(n, k, scale=k**-0.5)
+    out.append(Case("linear", f"k3-full 7168x7168 M={m}", lambda i, x=x, w=w: tk.TRITON.linear(x, w),
+                    lambda i, x=x, w=w: torch.matmul(x, w.t()), "cuBLAS", 2.0 * m * n * k, 2 * (m * k + n * k + m * n), 1))
     from parity.kernels.linear import LoRA
 
-    n = k = 7168
     for m in (1, 4096):
         x, w = rnd(m, k), rnd(n, k, scale=k**-0.5)
         lo = LoRA(rnd(16, k, scale=k**-0.5), rnd(n, 16, scale=0.25), 0.5)
@@ -303,33 +349,55 @@ def kda_cases(tk) -> list[Case]:
         print(f"# fla not importable ({e!r}); KDA baselines skipped")
         chunk_kda = fused_recurrent_kda = None
     out = []
-    for name, h, d in (("k3-small", 6, 64), ("goal H=16 d=128", 16, 128)):
-        for t in (1, 64, 4096):
-            q, k, v, g, beta, s0 = kda_inputs(t, h, d)
-            st = s0
-            if t == 1:  # decode: the pending chunk holds 40 earlier tokens
-                pre = [x.repeat(1, 40, *([1] * (x.dim() - 2))) for x in (q, k, v, g, beta)]
-                _, st = tk.TRITON.kda(*pre, d**-0.5, s0)
-            base = None
-            bname = "fla (n/a)"
-            if t > 1 and chunk_kda is not None:
-                base = lambda i, q=q, k=k, v=v, g=g, beta=beta, s0=s0: chunk_kda(q, k, v, g, beta, scale=d**-0.5, initial_state=s0, output_final_state=True)  # noqa: E731,E501
-                bname = "fla chunk_kda"
-            elif chunk_kda is not None:
-                base = lambda i, q=q, k=k, v=v, g=g, beta=beta, s0=s0: fused_recurrent_kda(q, k, v, g, beta, scale=d**-0.5, initial_state=s0, output_final_state=True)  # noqa: E731,E501
-                bname = "fla fused_recurrent_kda"
-            nb = 2 * (3 * t * h * d + t * h) + 4 * t * h * d + 2 * 4 * h * d * d
-            fl = 4.0 * t * h * d * d
-            out.append(Case("kda", f"{name} T={t}", lambda i, q=q, k=k, v=v, g=g, beta=beta, st=st: tk.TRITON.kda(q, k, v, g, beta, d**-0.5, st),
-                            base, bname, fl, nb, 1, graph=False, kernel_time=True))
+    shapes = [("k3-small", 6, 64, t, BF16) for t in (1, 64, 4096)]
+    shapes += [("goal H=16 d=128", 16, 128, t, BF16) for t in (1, 64, 4096, 16384, 65536)]
+    shapes += [("goal H=16 d=128 fp32 q,k", 16, 128, t, torch.float32) for t in (1, 4096)]  # the model's cast points
+    for name, h, d, t, qk_dtype in shapes:
+        q, k, v, g, beta, s0 = kda_inputs(t, h, d)
+        q, k = q.to(qk_dtype), k.to(qk_dtype)
+        fv, fbeta = v.to(qk_dtype), beta.to(qk_dtype)  # fla takes one dtype: its own upcast of v, beta (exact)
+        st = s0
+        if t == 1:  # decode: the pending chunk holds 40 earlier tokens
+            pre = [x.repeat(1, 40, *([1] * (x.dim() - 2))) for x in (q, k, v, g, beta)]
+            _, st = tk.TRITON.kda(*pre, d**-0.5, s0)
+        base = None
+        bname = "fla (n/a)"
+        if t > 1 and chunk_kda is not None:
+            base = lambda i, q=q, k=k, v=fv, g=g, beta=fbeta, s0=s0: chunk_kda(q, k, v, g, beta, scale=d**-0.5, initial_state=s0, output_final_state=True)  # noqa: E731,E501
+            bname = "fla chunk_kda"
+        elif chunk_kda is not None:
+            base = lambda i, q=q, k=k, v=fv, g=g, beta=fbeta, s0=s0: fused_recurrent_kda(q, k, v, g, beta, scale=d**-0.5, initial_state=s0, output_final_state=True)  # noqa: E731,E501
+            bname = "fla fused_recurrent_kda"
+        nb = 2 * (3 * t * h * d + t * h) + 4 * t * h * d + 2 * 4 * h * d * d
+        fl = 4.0 * t * h * d * d
+        out.append(Case("kda", f"{name} T={t}", lambda i, q=q, k=k, v=v, g=g, beta=beta, st=st: tk.TRITON.kda(q, k, v, g, beta, d**-0.5, st),
+                        base, bname, fl, nb, 1, graph=False, kernel_time=True))
+    out += kda_decode_cases(tk, fused_recurrent_kda)
     return out
+
+
+def kda_decode_cases(tk, fused_recurrent_kda) -> list[Case]:
+    """One decode step of a batch of 64 sequences at k3-1b's KDA shape (12 heads x 128, fp32 q, k as the model
+    passes them), each with 40 tokens pending in its chunk: the invariant op (the chunk recomputed) against fla's
+    recurrent step."""
+    b, h, d = 64, 12, 128
+    q, k, v, g, beta, s0 = (x.expand(b, *x.shape[1:]).contiguous() for x in kda_inputs(1, h, d))
+    q, k = q.float(), k.float()
+    pre = [x.repeat(1, 40, *([1] * (x.dim() - 2))) for x in (q, k, v, g, beta)]
+    _, st = tk.TRITON.kda(*pre, d**-0.5, s0)
+    base = None
+    if fused_recurrent_kda is not None:
+        fv, fbeta = v.float(), beta.float()  # fla takes one dtype
+        base = lambda i: fused_recurrent_kda(q, k, fv, g, fbeta, scale=d**-0.5, initial_state=s0, output_final_state=True)  # noqa: E731,E501
+    return [Case("kda", f"k3-1b decode B={b} H={h} d={d} fp32 q,k T=1", lambda i: tk.TRITON.kda(q, k, v, g, beta, d**-0.5, st),
+                 base, "fla fused_recurrent_kda", 4.0 * b * h * d * d, 4 * b * h * d * d * 2, 1, graph=False, kernel_time=True)]
 
 
 def attention_cases(tk) -> list[Case]:
     out = []
     h, d, dv = 16, 192, 128
-    for name, b, tq, s_len in (("prefill", 1, 4096, 4096), ("chunk 64", 1, 64, 4096), ("decode B=8", 8, 1, 4096),
-                               ("decode B=64", 64, 1, 4096)):
+    for name, b, tq, s_len in (("prefill", 1, 4096, 4096), ("prefill", 1, 16384, 16384), ("chunk 64", 1, 64, 4096),
+                               ("decode B=8", 8, 1, 4096), ("decode B=64", 64, 1, 4096)):
         q = rnd(b, tq, h, d)
         k, v = rnd(b, s_len, h, d), rnd(b, s_len, h, dv)
         pos = (torch.arange(s_len - tq, s_len, device=DEV)).expand(b, tq).contiguous()
@@ -362,7 +430,26 @@ def attention_cases(tk) -> list[Case]:
             out.append(Case("attention paged", f"{name} page={page} Tq={tq} S={s_len} H={h} d={d}/{dv}",
                             lambda i, q=q, kc=kc, vc=vc, table=table, pos=pos, lens=lens: tk.attention_paged(q, kc, vc, table, pos, lens, d**-0.5),
                             base, "SDPA (contiguous)", fl, nb, 1))
-    return out
+    return out + absorbed_mla_cases(tk)
+
+
+def absorbed_mla_cases(tk) -> list[Case]:
+    """MLA decode in the absorbed form (K3's latent attention: every query head reads one shared 512 + 64 latent per
+    position, values the latent's first 512; heads folded into the query rows, as the model runs it) against the
+    expanded form the `attention` rows time (16 heads of 192 / 128 per position), batch 64 at 4096 positions."""
+    b, h, s_len, lat, dv, d, dve = 64, 16, 4096, 576, 512, 192, 128
+    q = rnd(b, h, 1, lat)
+    latents = rnd(b, s_len, 1, lat)
+    rows = torch.full((b, h), s_len - 1, device=DEV)
+    lens = torch.full((b,), s_len, device=DEV)
+    qe, ke, ve = rnd(b, 1, h, d), rnd(b, s_len, h, d), rnd(b, s_len, h, dve)
+    pos = torch.full((b, 1), s_len - 1, device=DEV)
+    fl = 2.0 * b * h * s_len * (lat + dv)
+    nb = 2.0 * b * s_len * lat
+    return [Case("attention absorbed MLA", f"decode B={b} H={h} S={s_len} latent {lat}/{dv}",
+                 lambda i: tk.TRITON.attention(q, latents, latents[..., :dv], rows, lens, lat**-0.5),
+                 lambda i: tk.TRITON.attention(qe, ke, ve, pos, lens, d**-0.5), f"invariant expanded ({h} x {d}/{dve})",
+                 fl, nb, 1)]
 
 
 def misc_cases(tk) -> list[Case]:
@@ -629,7 +716,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep GEMM tile configs")
     ap.add_argument("--profile", action="store_true", help="also list per-kernel GPU times (PROFILED shapes)")
     ap.add_argument("--goals", action="store_true", help="also time the GOALS shapes alternately with baselines")
-    ap.add_argument("--no-table", action="store_true", help="skip the main table (with --goals / --profile)")
+    ap.add_argument("--host", action="store_true", help="also time the host side of eager calls (HOST shapes)")
+    ap.add_argument("--no-table", action="store_true", help="skip the main table (with --goals / --profile / --host)")
     ap.add_argument("--only", default=",".join(ALL), help=f"comma list of {','.join(ALL)}")
     args = ap.parse_args()
     import triton
@@ -647,6 +735,8 @@ def main() -> None:
         main_table(tk, groups, bw, peak)
     if args.goals:
         goal_rounds(tk, groups)
+    if args.host:
+        host_times(tk, groups)
     if args.profile:
         profile_kernels(tk, groups)
     if args.sweep:

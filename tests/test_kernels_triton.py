@@ -149,8 +149,8 @@ def test_linear_lora_row_invariant_and_reference(p: Platform) -> None:
 
 def test_linear_both_code_paths_row_invariant(p: Platform) -> None:
     """Pointer and TMA-descriptor loads, one or three K segments (bf16, small tiles): a row alone (the
-    split path: one program per K segment, then the ordered segment add) equals the same row of a
-    200-row product (the fused path)."""
+    split path: one program per K segment, the last to arrive adds the segment sums in order) equals the same row
+    of a 200-row product (the fused path), call after call, and every call leaves the arrival counters at zero."""
     lin = p.mod.linear
     x, w = torch.randn(200, 192).bfloat16(), torch.randn(48, 192).bfloat16()
     assert 200 > lin.SPLIT_MAX_M
@@ -161,7 +161,10 @@ def test_linear_both_code_paths_row_invariant(p: Platform) -> None:
             full = lin.matmul(p.t(x), p.t(w), config=cfg)
             for i in (0, 31, 32, 199):
                 assert_bits(lin.matmul(p.t(x[i : i + 1]), p.t(w), config=cfg)[0], full[i])
+            for _ in range(5):  # the arrival order of the segments changes from call to call, the bits may not
+                assert_bits(lin.matmul(p.t(x[:70]), p.t(w), config=cfg), full[:70])
             close(full.float(), x.double() @ w.double().t(), 0.1)
+    assert not lin.arrival_counters(full.device, 1).any()
     lora = LoRA(p.t(torch.randn(4, 192).bfloat16()), p.t(torch.randn(48, 4).bfloat16()), 0.5)
     cfg = lin.GemmConfig(32, 32, 32, 4, 4, 2, k_segments=3)
     t = lin.matmul(p.t(x), lora.a, config=cfg)
@@ -690,6 +693,24 @@ def test_gpu_linear_decode_and_prefill_tiles_bit_equal(gpu: Platform, n: int, k:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
     assert_bits(lin.matmul(x, w, config=dec), lin.matmul(x, w, config=pre))
+
+
+@pytest.mark.gpu
+def test_gpu_linear_split_path_repeatable(gpu: Platform) -> None:
+    """The decode shapes' split path (one program per tile and K segment, the last arriver adds the sums in order)
+    at K3 width, called back to back: every call has the bits of the fused path's rows (M = 4096), whichever
+    segment arrives last, and the arrival counters are back at zero after each launch."""
+    lin = gpu.mod.linear
+    n = k = 7168
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    full = lin.matmul(x, w)
+    for m in (1, 64, 128):
+        assert lin.segments(k, lin.gemm_config(n, k, torch.bfloat16, m))[0] > 1 and m <= lin.SPLIT_MAX_M
+        outs = [lin.matmul(x[:m], w) for _ in range(50)]
+        for y in outs:
+            assert_bits(y, full[:m])
+    assert not lin.arrival_counters(x.device, 1).any()
 
 
 @pytest.mark.gpu

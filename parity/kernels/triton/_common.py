@@ -55,6 +55,15 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def tensor_core_precision(dtype: torch.dtype) -> str:
+    """`input_precision` for dots that run on tensor cores whatever the inputs' dtype.
+
+    fp32 inputs: `tf32x3` (each fp32 operand split into a tf32 high part and a tf32 remainder, three tensor-core
+    products a_hi b_hi + a_hi b_lo + a_lo b_hi: close to fp32's accuracy; a fixed decomposition per element, so rows
+    stay independent and exact zeros stay exact zeros). bf16 inputs: tf32, as `dot_precision`."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def pow2(n: int, floor: int = 16) -> int:
     """The next power of two >= max(n, floor) (Triton block sizes are powers of two)."""
     return max(floor, triton.next_power_of_2(max(int(n), 1)))

@@ -13,7 +13,9 @@ element-wise, off-diagonal blocks as dots with every exponent <= 0), the triangu
 diagonal blocks by substitution, the rest as dots) and W, U0 (parallel), the state walk over chunks
 (sequential per head and V block) and the outputs (parallel). Intermediates are fp32 except W and
 k exp(gc_C - gc), stored in the input dtype (bf16 inputs: half the bytes the state walk reads per chunk;
-each element is rounded on its own, so the rounding cannot depend on other rows).
+each element is rounded on its own, so the rounding cannot depend on other rows). Dots run on tensor cores for
+either input dtype (`tensor_core_precision`: tf32 for bf16 inputs, tf32x3 for the fp32 q, k the model passes), not as fp32
+FMA loops on the CUDA cores.
 
 Invariant (the parity contract's KDA technique): the grid of chunks is anchored at absolute position 0
 and the state is carried only at chunk boundaries. Every row-t quantity above (L, A, T, W, U, O rows)
@@ -33,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import INTERPRET, check_dtype, dot_precision, mma, pow2
+from parity.kernels.triton._common import INTERPRET, check_dtype, mma, pow2, tensor_core_precision
 
 CHUNK = 64
 SUB = 16  # sub-block of the L / A matrices
@@ -312,7 +314,7 @@ def _chunked(q, k, v, g, beta, scale: float, s0: torch.Tensor, lens: torch.Tenso
     sc = torch.empty(b, n_chunks, h, kd, vd, **f32)
     s_out = torch.empty(b, h, kd, vd, **f32)
     o = torch.empty(b, tp, h, vd, dtype=out_dtype, device=dev)
-    prec = dot_precision(q.dtype)
+    prec = tensor_core_precision(q.dtype)  # fp32 q, k (the model's cast points) stay on tensor cores
     common = dict(C=CHUNK, PREC=prec, INTERP=INTERPRET)
     qs = (q.stride(0), q.stride(1), q.stride(2))
     assert k.stride() == q.stride(), "q and k must share strides"

@@ -5,9 +5,10 @@ number of segments (a function of K only); every output tile accumulates each se
 BLOCK_K steps, then adds the segment sums in order, total = ((0 + s_0) + s_1) + ... . Two launch shapes
 compute exactly that sequence:
 - fused (M > `SPLIT_MAX_M`): one program per tile walks the segments one after another;
-- split (M <= `SPLIT_MAX_M`, decode): one program per (tile, segment) writes its fp32 segment sum and a
-  second kernel adds the sums in segment order,
-so a row's bits are the same on both paths. The rows of a tile are independent inside the matrix
+- split (M <= `SPLIT_MAX_M`, decode): one program per (tile, segment) writes its fp32 segment sum, then counts
+  itself in on the tile's arrival counter (an acquire-release atomic after a barrier); the program that arrives
+  last reads the tile's sums back from L2 and adds them in segment order, so no second kernel runs,
+so a row's bits are the same on both paths (the last arriver's own sum is read back too: fp32 stores are exact). The rows of a tile are independent inside the matrix
 instructions and padded rows are loaded as zeros, so a row's bits do not depend on how many rows the
 batch has or where the row sits in it. Row counts are not specialised on (`do_not_specialize`).
 
@@ -126,19 +127,42 @@ def _lora_epilogue(acc, t_ptr, b_ptr, rm, rn, M, N, R, stm, str_, sbn, sbr, scal
 
 
 @triton.jit
-def _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
-              SPLIT: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-              PREC: tl.constexpr, INTERP: tl.constexpr):
-    """SPLIT: store this segment's fp32 sum at p_ptr[segment]; else (+ LoRA) cast and store y."""
+def _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
+             HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             PREC: tl.constexpr, INTERP: tl.constexpr):
+    """(+ LoRA) cast and store the tile's rows rm, columns rn of y."""
+    if HAS_LORA:
+        total = _lora_epilogue(total, t_ptr, b_ptr, rm, rn, M, N, R, stm, str_, sbn, sbr, scale, BM, BN, R_PAD,
+                               PREC, INTERP)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, total.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _epilogue(total, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, rm, rn, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
+              scale, SPLIT: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """Not SPLIT: store y. SPLIT: store this segment's fp32 sum at p_ptr[segment] and count in on the tile's counter
+    c_ptr[tile]; the last of the tile's segments to arrive resets the counter and stores
+    y = ((0 + s_0) + s_1) + ... from the stored sums, in segment order (the fused path's additions)."""
     if SPLIT:
-        seg = tl.program_id(1).to(tl.int64)
-        tl.store(p_ptr + seg * M * N + rm[:, None] * N + rn[None, :], total, mask=mask)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        cell = rm[:, None] * N + rn[None, :]
+        n_seg = tl.cdiv(K, SEG)
+        tl.store(p_ptr + tl.program_id(1).to(tl.int64) * M * N + cell, total, mask=mask)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        arrived = tl.atomic_add(c_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == n_seg - 1:
+            tl.atomic_xchg(c_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, n_seg):  # read from L2 (.cg): the other programs' sums are not in this SM's L1
+                total = total + tl.load(p_ptr + tl.cast(s, tl.int64) * M * N + cell, mask=mask, other=0.0,
+                                        cache_modifier=".cg")
+            _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale, HAS_LORA,
+                     R_PAD, BM, BN, PREC, INTERP)
     else:
-        if HAS_LORA:
-            total = _lora_epilogue(total, t_ptr, b_ptr, rm, rn, M, N, R, stm, str_, sbn, sbr, scale, BM, BN, R_PAD,
-                                   PREC, INTERP)
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, total.to(y_ptr.dtype.element_ty), mask=mask)
+        _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale, HAS_LORA, R_PAD,
+                 BM, BN, PREC, INTERP)
 
 
 @triton.jit
@@ -154,7 +178,7 @@ def _segment_range(K, SEG, SPLIT: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sws, sym,
+def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sws, sym,
                      syn, R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
@@ -173,12 +197,12 @@ def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, 
             b = weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN, BK, W_MXFP4)
             acc = mma(a, b, acc, PREC, INTERP)
         total = total + acc
-    _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
-              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
+    _epilogue(total, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, rm, rn, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
+              scale, SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
+def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
                      scale, SPLIT: tl.constexpr,
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
@@ -194,25 +218,26 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, t_ptr, b_ptr, M, N, K, SEG, s
         total = total + acc
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
-              SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
+    _epilogue(total, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, rm, rn, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
+              scale, SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _segment_sum_kernel(p_ptr, y_ptr, t_ptr, b_ptr, M, N, NSEG, sym, syn, R, stm, str_, sbn, sbr, scale,
-                        HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
-    """total = ((0 + s_0) + s_1) + ... over the split path's segment sums, then the fused path's epilogue."""
-    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
-    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    total = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in range(0, NSEG):
-        total = total + tl.load(p_ptr + tl.cast(s, tl.int64) * M * N + rm[:, None] * N + rn[None, :], mask=mask,
-                                other=0.0)
-    _epilogue(total, y_ptr, p_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
-              False, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
+MAX_SPLIT_TILES = 1 << 16
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split path's per-tile arrival counters for work on `device`'s current stream: int32 zeros that every
+    launch leaves at zero again (the last arriver resets its tile's). One buffer per (device, stream), allocated
+    once at its full size and never replaced, so a CUDA graph that captured its address can replay safely; two
+    streams never share one, so concurrent GEMMs cannot count into each other's tiles."""
+    if tiles > MAX_SPLIT_TILES:
+        raise ValueError(f"{tiles} output tiles exceed the split path's {MAX_SPLIT_TILES} arrival counters")
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -246,28 +271,26 @@ def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor 
     n_seg, seg = segments(k, cfg)
     split = n_seg > 1 and m <= SPLIT_MAX_M
     part = torch.empty(n_seg, m, n, dtype=torch.float32, device=x.device) if split else y
+    counters = arrival_counters(x.device, tiles) if split else y
     grid = (tiles, n_seg) if split else (tiles,)
-    common = dict(HAS_LORA=has_lora, R_PAD=pow2(t_args[2]), BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
-                  PREC=dot_precision(x.dtype), INTERP=INTERPRET, num_warps=cfg.warps)
-    meta = dict(common, SPLIT=split, BK=cfg.block_k, num_stages=cfg.stages)
+    meta = dict(HAS_LORA=has_lora, R_PAD=pow2(t_args[2]), BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
+                PREC=dot_precision(x.dtype), INTERP=INTERPRET, num_warps=cfg.warps, SPLIT=split, BK=cfg.block_k,
+                num_stages=cfg.stages)
     if packed:
         assert x.dtype == torch.bfloat16 and cfg.block_k % GROUP == 0 and k % GROUP == 0
         wp, ws = w.packed.contiguous(), w.scale.contiguous()
-        _gemm_ptr_kernel[grid](x, wp, ws, y, part, t_args[0], t_args[1], m, n, k, seg, x.stride(0), x.stride(1),
-                               wp.stride(0), 1, ws.stride(0), y.stride(0), y.stride(1), *t_args[2:], W_MXFP4=True,
-                               **meta)
+        _gemm_ptr_kernel[grid](x, wp, ws, y, part, counters, t_args[0], t_args[1], m, n, k, seg, x.stride(0),
+                               x.stride(1), wp.stride(0), 1, ws.stride(0), y.stride(0), y.stride(1), *t_args[2:],
+                               W_MXFP4=True, **meta)
     elif cfg.tma and _tma_ok(x, w):
         xd = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
         wd = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-        _gemm_tma_kernel[grid](xd, wd, y, part, t_args[0], t_args[1], m, n, k, seg, y.stride(0), y.stride(1),
-                               *t_args[2:], **meta)
+        _gemm_tma_kernel[grid](xd, wd, y, part, counters, t_args[0], t_args[1], m, n, k, seg, y.stride(0),
+                               y.stride(1), *t_args[2:], **meta)
     else:
-        _gemm_ptr_kernel[grid](x, w, w, y, part, t_args[0], t_args[1], m, n, k, seg, x.stride(0), x.stride(1),
-                               w.stride(0), w.stride(1), 0, y.stride(0), y.stride(1), *t_args[2:], W_MXFP4=False,
-                               **meta)
-    if split:
-        _segment_sum_kernel[(tiles,)](part, y, t_args[0], t_args[1], m, n, n_seg, y.stride(0), y.stride(1),
-                                      *t_args[2:], **common)
+        _gemm_ptr_kernel[grid](x, w, w, y, part, counters, t_args[0], t_args[1], m, n, k, seg, x.stride(0),
+                               x.stride(1), w.stride(0), w.stride(1), 0, y.stride(0), y.stride(1), *t_args[2:],
+                               W_MXFP4=False, **meta)
     return y
 
 
