@@ -304,6 +304,11 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
 
 def load_model_config(path: str | Path) -> ModelConfig:
     """Read a YAML/JSON config file, or a checkpoint directory's config.json."""
+    return parse_model_config(read_config(path))
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML/JSON config file, or in a checkpoint directory's config.json."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -316,4 +321,4 @@ def load_model_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping at the top level")
-    return parse_model_config(raw)
+    return raw

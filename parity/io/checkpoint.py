@@ -16,7 +16,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from parity.config import COMPUTE_DTYPES, ConfigError, ModelConfig, load_model_config
+from parity import dspark
+from parity.config import COMPUTE_DTYPES, ConfigError, ModelConfig, load_model_config, read_config
+from parity.dspark import DSparkConfig, dspark_specs, parse_dspark_config
 from parity.quant import mxfp4
 from parity.weights import (WeightSpec, is_quantized, mtp_specs, official_name, pack_quantized, packed_names,
                             stored_mtp_specs, stored_specs, text_specs, written_name)
@@ -118,20 +120,7 @@ def save_checkpoint(
         extra = sorted(set(weights) - set(expected))
         if missing or extra:
             raise CheckpointError(f"weights do not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
-        shards = _plan_shards(weights, shard_bytes)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, names in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            written = {n: written_name(cfg.text, n) for n in names}
-            save_file({written[n]: weights[n].contiguous() for n in names}, str(tmp / fname),
-                      metadata={"format": "pt"})
-            for n in names:
-                weight_map[written[n]] = fname
-                total += weights[n].numel() * weights[n].element_size()
-            if progress:
-                progress(f"wrote {fname} ({len(names)} tensors)")
-        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        write_tensors(tmp, {written_name(cfg.text, n): t for n, t in weights.items()}, shard_bytes, progress)
         (tmp / "config.json").write_text(json.dumps(cfg.raw, indent=2))
         t = cfg.text
         gen_cfg = {"bos_token_id": t.bos_token_id, "eos_token_id": t.eos_token_id, "pad_token_id": t.pad_token_id,
@@ -164,6 +153,24 @@ def preprocessor_config(vision: dict) -> dict:
     return {"image_processor_type": "KimiK25FusedVisionProcessor", "media_proc_cfg": media_proc_cfg}
 
 
+def write_tensors(tmp: Path, tensors: dict[str, torch.Tensor], shard_bytes: int,
+                  progress: Callable[[str], None] | None) -> None:
+    """`model-0000i-of-0000n.safetensors` shards of at most about `shard_bytes` each, in the given order, and their
+    index, into the directory `tmp`."""
+    shards = _plan_shards(tensors, shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names}, str(tmp / fname), metadata={"format": "pt"})
+        for n in names:
+            weight_map[n] = fname
+            total += tensors[n].numel() * tensors[n].element_size()
+        if progress:
+            progress(f"wrote {fname} ({len(names)} tensors)")
+    (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
 def _plan_shards(weights: dict[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
@@ -186,6 +193,14 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
     cfg = load_model_config(path)
+    weights = read_tensors(path, official_name)
+    check_tensors(path, weights, all_specs(cfg))
+    return cfg, weights
+
+
+def read_tensors(path: Path, rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint directory `path` under `rename(stored name)`, from the shards its index lists
+    (or every *.safetensors without one); a name stored twice is an error."""
     index = _read_index(path)
     files = sorted(set(index.values())) if index is not None else sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -193,11 +208,15 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     weights: dict[str, torch.Tensor] = {}
     for fname in files:
         for stored, tensor in _read_shard(path, fname, index):
-            name = official_name(stored)
+            name = rename(stored)
             if name in weights:
                 raise CheckpointError(f"{path}: {name} is stored twice (once as {stored})")
             weights[name] = tensor
-    expected = all_specs(cfg)
+    return weights
+
+
+def check_tensors(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, WeightSpec]) -> None:
+    """Exactly the expected tensors, each of its shape and finite."""
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
     if missing:
@@ -210,7 +229,6 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
         if weights[name].is_floating_point() and not bool(torch.isfinite(weights[name]).all()):
             raise CheckpointError(f"{path}: {name} holds NaN or inf values; a checkpoint to roll out and train must be "
                                   "finite")
-    return cfg, weights
 
 
 def _read_index(path: Path) -> dict[str, str] | None:
@@ -255,9 +273,14 @@ def _read_shard(path: Path, fname: str, index: dict[str, str] | None) -> list[tu
 def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: str | None = None,
                     progress: Callable[[str], None] | None = None) -> Path:
     """`zerokl init-checkpoint`: a seeded random-weight checkpoint in the official format, stored (and so
-    computed) in `dtype`, by default the config's `torch_dtype`."""
+    computed) in `dtype`, by default the config's `torch_dtype`: a K3 / Kimi Linear model, or (`model_type:
+    k3_dspark`) a DSpark draft checkpoint."""
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    raw = read_config(config_path)
+    if raw.get("model_type") == dspark.MODEL_TYPE:
+        draft = parse_dspark_config(dict(raw, torch_dtype=dtype or raw.get("torch_dtype", "float32")))
+        return save_dspark_checkpoint(draft, dspark_weights(draft, seed), out, progress=progress)
     cfg = load_model_config(config_path)
     dtype = dtype or cfg.text.torch_dtype
     raw = dict(cfg.raw)
@@ -267,3 +290,40 @@ def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: 
     if progress:
         progress(f"initialised {len(weights)} tensors ({sum(t.numel() for t in weights.values()) / 1e6:.2f}M params)")
     return save_checkpoint(cfg, weights, out, progress=progress)
+
+
+# --- DSpark drafts --------------------------------------------------------------------------------
+
+def dspark_weights(cfg: DSparkConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random draft weights in the draft's dtype, one generator per (seed, name), as `random_weights`."""
+    return {name: _init_tensor(spec, torch.Generator().manual_seed(_name_seed(seed, name))).to(cfg.dtype)
+            for name, spec in dspark_specs(cfg).items()}
+
+
+def save_dspark_checkpoint(cfg: DSparkConfig, weights: dict[str, torch.Tensor], out: str | Path,
+                           shard_bytes: int = 2 << 20, progress: Callable[[str], None] | None = None) -> Path:
+    """A DSpark draft checkpoint directory: its config.json (with `architectures` set to vLLM's name) and sharded
+    safetensors under the names vLLM's `K3DSparkForCausalLM` loads; written atomically, never over a non-empty
+    directory. The draft has no embedding, lm_head or tokenizer of its own: vLLM shares the target's."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new --out directory")
+    expected = dspark_specs(cfg)
+    if set(weights) != set(expected):
+        raise CheckpointError(f"draft weights do not match the config: missing {sorted(set(expected) - set(weights))[:5]}"
+                              f", unexpected {sorted(set(weights) - set(expected))[:5]}")
+    with atomic_dir(out) as tmp:
+        write_tensors(tmp, {n: weights[n] for n in expected}, shard_bytes, progress)
+        (tmp / "config.json").write_text(json.dumps(dict(cfg.raw, architectures=[dspark.ARCHITECTURE]), indent=2))
+    return out
+
+
+def load_dspark_checkpoint(path: str | Path) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
+    """A DSpark draft's config and tensors, checked as `load_checkpoint` checks a model's."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
+    cfg = parse_dspark_config(read_config(path), str(path / "config.json"))
+    weights = read_tensors(path, lambda name: name)
+    check_tensors(path, weights, dspark_specs(cfg))
+    return cfg, weights
