@@ -39,6 +39,10 @@ def check_speculative(spec: Any, cfg: TextConfig, kernels: str, where: str = "sp
         raise ConfigError(f"{where}: speculative decoding runs on the invariant or fast kernels, not the Triton kernels")
     if not isinstance(spec, dict):
         raise ConfigError(f"{where}: a mapping with {', '.join(KEYS)}, got {spec!r}")
+    if spec.get("method") == "dspark":
+        raise ConfigError(f"{where}: method 'dspark' is not served yet: zerokl writes DSpark draft checkpoints "
+                          "(`zerokl init-checkpoint` with a k3_dspark config) and runs the draft's math, but the "
+                          "rollout has no DSpark proposer; use 'mtp' (the checkpoint's MTP layers)")
     unknown = sorted(set(spec) - set(KEYS))
     if unknown:
         raise ConfigError(f"{where}: unknown keys {unknown}; zerokl takes {', '.join(KEYS)}")

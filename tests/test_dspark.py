@@ -145,3 +145,12 @@ def test_draft_rows_are_batch_invariant() -> None:
         alone = draft.base_logits(draft.block_hidden(anchors[b : b + 1], torch.tensor([p]), alone_cache, n))
         assert_bits(alone[0], together[b])
     assert len(dspark_specs(draft.cfg)) == len(draft.w)
+
+
+def test_dspark_rollouts_are_refused_until_built() -> None:
+    """A DSpark speculative config (with its draft `model`) gets a refusal that says what exists, not 'unknown key'."""
+    from rollout.speculative import check_speculative
+
+    with pytest.raises(ConfigError, match="method 'dspark' is not served yet"):
+        check_speculative({"method": "dspark", "model": "draft", "num_speculative_tokens": 3},
+                          load_model_config(TARGET_CONFIG).text, "invariant", "--speculative")
