@@ -457,9 +457,12 @@ class K3Forward:
 
     def hidden(self, ids: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
                caches: list[KDACache | MLACache], capture: dict[str, torch.Tensor] | None = None,
-               embeds: torch.Tensor | None = None) -> torch.Tensor:
+               embeds: torch.Tensor | None = None, streams: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """ids, pos: [B, T] (right-padded; padded positions may hold anything >= 0), lens: [B]
         -> final hidden state before the final norm: [B, T, D] in `self.dtype`. `capture` receives each block's output.
+        `streams`: for each layer index it holds, the stream after that layer is stored there (the residual stream;
+        with AttnRes the current block's partial sum): what vLLM's K3 hands a DSpark draft as the hidden state after
+        layer i.
         `embeds` [B, T, D]: the input rows to use instead of `embed(ids)` (a prompt's image rows merged in,
         `parity.vision.ImageRows`)."""
         c = self.cfg
@@ -505,6 +508,8 @@ class K3Forward:
             delta = self._moe(h_mlp, f"{p}.block_sparse_moe") if c.is_moe(layer) else self._mlp(h_mlp, f"{p}.mlp")
             if capture is not None:
                 capture[f"layer{layer}.mlp"] = delta
+            if streams is not None and layer in streams:
+                streams[layer] = prefix + delta  # the next layer's own sum, so its bits
         assert delta is not None
         prefix = prefix + delta
         if use_res:

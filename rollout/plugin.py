@@ -68,8 +68,29 @@ def register() -> None:
         ModelRegistry.register_model(VISION_ARCH, "rollout.vllm_vision:ZeroKLK3ForConditionalGeneration")
     # the MTP draft vLLM's speculative config names for any kimi_k3 target: zerokl's on zerokl's K3, else vLLM's own
     ModelRegistry.register_model(MTP_ARCH, "rollout.vllm_mtp:KimiK3MTPModel")
+    _allow_dspark_on_v1()
     try:
         WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "rollout.weight_transfer",
                                                     "ZeroKLWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass
+
+
+def _allow_dspark_on_v1() -> None:
+    """vLLM refuses `dspark` on its V1 model runner (`VllmConfig._get_v1_model_runner_unsupported_features`, "DSpark
+    is implemented only by the V2 GPU model runner"); zerokl's target brings its own DSpark proposer to V1
+    (`rollout.vllm_dspark`), so for zerokl's target that one entry is dropped. Idempotent."""
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig._get_v1_model_runner_unsupported_features
+    if getattr(original, "zerokl", False):
+        return
+
+    def features(self: VllmConfig) -> list[str]:
+        out = original(self)
+        if self.model_config is not None and serves_zerokl(self.model_config.hf_config):
+            out = [f for f in out if f != "dspark speculative decoding"]
+        return out
+
+    features.zerokl = True  # type: ignore[attr-defined]
+    VllmConfig._get_v1_model_runner_unsupported_features = features

@@ -54,6 +54,15 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
    the draft positions' logits to `apply_top_k_only` (`vllm/v1/sample/ops/topk_topp_sampler.py:515-535`), whose
    `k.max()` fails on a step with no draft positions (the first step after a prefill): the engine dies. The patch
    returns such empty logits as they are.
+10. DSpark on the V1 runner. `GPUModelRunner.__init__` gives a `dspark` config an `EagleProposer`
+   (`vllm/v1/worker/gpu_model_runner.py:644`, `use_eagle()` covers dspark), which has no DSpark step (vLLM runs
+   DSpark in its V2 runner only). When that proposer is loaded for zerokl's target (5.'s patch, which runs after
+   this module is applied, unlike the runner's `__init__`), it becomes `rollout.vllm_dspark.ZeroKLDSparkProposer`
+   (a subclass: the same state, DSpark's load and draft step); the runner's next call,
+   `_setup_eagle3_aux_hidden_state_outputs` (`cpu_model_runner.py:78`), first turns on the target's aux hidden-state
+   outputs for that drafter (the streams the draft reads), as `__init__` does for EAGLE-3 (`:646-657`), then sets
+   the target's layers as vLLM does. (The main process's config check that refuses dspark on V1 is relaxed
+   for zerokl's target by `rollout.plugin`.)
 """
 
 from __future__ import annotations
@@ -140,8 +149,8 @@ def _zerokl_adapter_reader(original: Any) -> Any:
 
 
 def _zerokl_draft_loading(original: Any) -> Any:
-    """Wrap `SpecDecodeBaseProposer.load_model`: a zerokl draft is loaded here (see 5. above), any other as vLLM
-    loads it."""
+    """Wrap `SpecDecodeBaseProposer.load_model`: a zerokl draft is loaded here (see 5. and 10. above), any other as
+    vLLM loads it."""
 
     def load_model(self: Any, target_model: Any) -> None:
         from rollout.plugin import serves_zerokl
@@ -150,6 +159,11 @@ def _zerokl_draft_loading(original: Any) -> Any:
 
         if not serves_zerokl(self.vllm_config.model_config.hf_config):
             return original(self, target_model)
+        if self.speculative_config.method == "dspark":  # see 10. above
+            from rollout.vllm_dspark import ZeroKLDSparkProposer
+
+            self.__class__ = ZeroKLDSparkProposer
+            return self.load_model(target_model)
         before = set(get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase))
         model = self._get_model()  # rollout.vllm_mtp.ZeroKLK3MTP for zerokl's target
         self.model = model
@@ -233,6 +247,19 @@ def _constraints_on_no_rows(original: Any) -> Any:
     return apply_sampling_constraints
 
 
+def _aux_outputs_for_dspark(original: Any) -> Any:
+    """Wrap `GPUModelRunner._setup_eagle3_aux_hidden_state_outputs`: on for zerokl's DSpark drafter (see 10.)."""
+
+    def _setup_eagle3_aux_hidden_state_outputs(self: Any) -> None:
+        from rollout.vllm_dspark import ZeroKLDSparkProposer
+
+        if isinstance(getattr(self, "drafter", None), ZeroKLDSparkProposer):
+            self.use_aux_hidden_state_outputs = True
+        original(self)
+
+    return _setup_eagle3_aux_hidden_state_outputs
+
+
 def apply() -> None:
     """Install the patches above (idempotent); called in the vLLM worker process that builds the model."""
     global _applied
@@ -246,6 +273,8 @@ def apply() -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     CPUModelRunner._sample = _rewindable_sample(CPUModelRunner._sample)
+    gpu_model_runner.GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _aux_outputs_for_dspark(
+        gpu_model_runner.GPUModelRunner._setup_eagle3_aux_hidden_state_outputs)
     gpu_model_runner.copy_kv_cache_blocks_inplace = _widest_views_first(gpu_model_runner.copy_kv_cache_blocks_inplace)
     model_manager.get_supported_lora_modules = _declared_lora_modules(model_manager.get_supported_lora_modules)
     WorkerLoRAManager._load_adapter = _zerokl_adapter_reader(WorkerLoRAManager._load_adapter)

@@ -41,7 +41,7 @@ from rollout.records import WorkerRecords
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec, MambaStateCopyFunc
-from vllm.model_executor.models.interfaces import (HasInnerState, IsHybrid, SupportsLoRA,
+from vllm.model_executor.models.interfaces import (HasInnerState, IsHybrid, SupportsEagle3, SupportsLoRA,
                                                    SupportsMambaPrefixCaching)
 from parity.io.checkpoint import all_specs
 
@@ -113,7 +113,7 @@ def compute_tensors(cfg: TextConfig, params: dict[str, nn.Parameter],
 
 def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
     """Refuse a speculative config this model cannot keep parity under (ModelSetupError naming the setting): a method
-    other than `speculative.METHODS`, a checkpoint without MTP layers, the Triton kernels (their chunked KDA state
+    other than `speculative.METHODS`, MTP on a checkpoint without MTP layers, the Triton kernels (their chunked KDA state
     has no per-token trail) or prefix caching (vLLM's align mode keeps per-draft state blocks; this model keeps the
     pairs in the request's one slot)."""
     if not vllm_config.num_speculative_tokens:
@@ -122,7 +122,7 @@ def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
     if spec.method not in speculative.METHODS:
         raise ModelSetupError(f"speculative method {spec.method!r} is not supported by zerokl's K3; use one of "
                               f"{', '.join(speculative.METHODS)}")
-    if not cfg.num_nextn_predict_layers:
+    if spec.method == "mtp" and not cfg.num_nextn_predict_layers:
         raise ModelSetupError("speculative method 'mtp' needs MTP draft layers: the checkpoint's "
                               "num_nextn_predict_layers is 0")
     if _kernels_name(vllm_config) == "triton":
@@ -132,9 +132,11 @@ def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
                               "without --enable-prefix-caching")
 
 
-class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching, SupportsLoRA):
+class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching, SupportsLoRA,
+                          SupportsEagle3):
     """K3 text model on the parity kernels, with vLLM-managed MLA latent and KDA state caches, and vLLM LoRA
-    computed by the parity kernels (`rollout.lora_table`)."""
+    computed by the parity kernels (`rollout.lora_table`); with a DSpark draft it also returns the streams after the
+    draft's target layers (vLLM's EAGLE-3 interface, `set_aux_hidden_state_layers`)."""
 
     embedding_modules: ClassVar[dict[str, str]] = {}
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
@@ -161,6 +163,11 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         for name, child in root.named_children():
             self.add_module(name, child)
         self.verify_rows = vllm_config.num_speculative_tokens + 1  # longest row of a decode (verify) step
+        self.aux_layers: tuple[int, ...] = ()  # 0-based layers whose output streams `forward` also returns
+        spec = vllm_config.speculative_config
+        self.draft_layers: tuple[int, ...] = ()  # a DSpark draft's target_layer_ids (0-based)
+        if spec is not None and spec.method == "dspark":
+            self.draft_layers = tuple(spec.draft_model_config.hf_config.target_layer_ids)
         self.fwd = K3Forward(K3Weights(cfg, self._compute_tensors()), self.kernels)
         self.adapters = AdapterTable(self.fwd, self.kernels)
         self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm_compat)
@@ -181,17 +188,33 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.fwd.embed(input_ids)
 
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """vLLM's aux layer k is the stream after 0-based layer k - 1 (k = 0, the embedding, is not served)."""
+        if not layers or min(layers) < 1 or max(layers) > self.cfg.num_hidden_layers:
+            raise ModelSetupError(f"draft target layers {layers} (vLLM's numbering, 1-based) are not layers 1.."
+                                  f"{self.cfg.num_hidden_layers} of this checkpoint")
+        self.aux_layers = tuple(sorted({k - 1 for k in layers}))
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        """The DSpark draft's target layers in vLLM's numbering (its V1 runner reads only EAGLE-3 / DFlash keys)."""
+        if not self.draft_layers:
+            raise ModelSetupError("a draft reading target hidden states must name its target_layer_ids")
+        return tuple(i + 1 for i in self.draft_layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate_tensors: object = None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
-        """Flat step tokens [N] -> hidden states before the final norm [N, D] in the compute dtype (zeros on padding).
-        `inputs_embeds` [N, D]: the step's input rows, image rows merged in (the multimodal subclass,
-        `rollout.vllm_vision`, which also receives the ids)."""
+                inputs_embeds: torch.Tensor | None = None,
+                **kwargs: object) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Flat step tokens [N] -> hidden states before the final norm [N, D] in the compute dtype (zeros on padding);
+        with `aux_layers`, also the streams after those layers, [N, D] each. `inputs_embeds` [N, D]: the step's input
+        rows, image rows merged in (the multimodal subclass, `rollout.vllm_vision`, which also receives the ids)."""
         if inputs_embeds is not None and not getattr(self, "supports_multimodal", False):
             raise ModelSetupError("zerokl's K3 takes token ids; prompt embeddings are not supported")
         out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=self.cfg.compute_dtype)
+        aux = {layer: torch.zeros_like(out) for layer in self.aux_layers}
+        result = (out, list(aux.values())) if aux else out
         metadata = get_forward_context().attn_metadata
         if metadata is None:  # vLLM's dummy/profile runs: no caches bound, nothing to compute
-            return out
+            return result
         layers = list(self.cache_layers)
         layout = metadata[layers[0].prefix].layout
         records = self.records
@@ -205,25 +228,32 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
                 part = group.subset(ids == lora_id)
                 with record_routing() if routing is not None else nullcontext() as recorded:
                     self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out,
-                              inputs_embeds)
+                              inputs_embeds, aux)
                 if routing is not None:  # [B, T, k] per MoE layer -> the group's flat tokens
                     routing[part.token_index[part.valid]] = torch.stack(recorded, dim=2)[part.valid].int()
         if routing is not None:
             records.add_routing(layout, positions, routing)
-        return out
+        return result
 
     def _run(self, fwd: K3Forward, group: StepGroup, input_ids: torch.Tensor, positions: torch.Tensor,
-             metadata: dict[str, Any], out: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> None:
-        """One group's rows through `fwd`, reading and writing their caches; fills their rows of `out`."""
+             metadata: dict[str, Any], out: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+             aux: dict[int, torch.Tensor] | None = None) -> None:
+        """One group's rows through `fwd`, reading and writing their caches; fills their rows of `out` (and of each
+        `aux` layer's stream)."""
         layers = list(self.cache_layers)
         caches = [layer.read(metadata[layer.prefix], group) if isinstance(layer, KDAStateLayer)
                   else layer.view(metadata[layer.prefix], group) for layer in layers]
         embeds = None if inputs_embeds is None else group.gather(inputs_embeds)
-        hidden = fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches, embeds=embeds)
+        streams: dict[int, torch.Tensor] = dict.fromkeys(aux or ())
+        hidden = fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches, embeds=embeds,
+                            streams=streams)
         for layer, cache in zip(layers, caches):
             if isinstance(cache, KDACache):
                 layer.write(metadata[layer.prefix], group, cache)
-        out[group.token_index[group.valid]] = hidden[group.valid]
+        rows = group.token_index[group.valid]
+        out[rows] = hidden[group.valid]
+        for layer, stream in streams.items():
+            aux[layer][rows] = stream[group.valid].to(out.dtype)
 
     def zerokl_load_adapter(self, lora_request: Any) -> None:
         """Called by vLLM's worker adapter loader before its own (`rollout.vllm_compat`): read and validate

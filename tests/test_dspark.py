@@ -1,6 +1,6 @@
 """The DSpark draft: its official checkpoint format (as vLLM's `k3_dspark` config and `K3DSparkForCausalLM` loader
 read it), `zerokl init-checkpoint` writing it, and its forward on the parity kernels against the float64 reference
-and across batch layouts (bits)."""
+and across batch layouts (bits). Rollouts with it: tests/test_speculative.py."""
 
 from __future__ import annotations
 
@@ -146,11 +146,3 @@ def test_draft_rows_are_batch_invariant() -> None:
         assert_bits(alone[0], together[b])
     assert len(dspark_specs(draft.cfg)) == len(draft.w)
 
-
-def test_dspark_rollouts_are_refused_until_built() -> None:
-    """A DSpark speculative config (with its draft `model`) gets a refusal that says what exists, not 'unknown key'."""
-    from rollout.speculative import check_speculative
-
-    with pytest.raises(ConfigError, match="method 'dspark' is not served yet"):
-        check_speculative({"method": "dspark", "model": "draft", "num_speculative_tokens": 3},
-                          load_model_config(TARGET_CONFIG).text, "invariant", "--speculative")

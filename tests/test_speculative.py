@@ -1,10 +1,12 @@
-"""Speculative decoding with K3's MTP draft under bitwise parity (k3-tiny-mxfp4 carries one MTP layer).
+"""Speculative decoding with K3's MTP draft (k3-tiny-mxfp4 carries one MTP layer) and a DSpark draft checkpoint
+under bitwise parity.
 
 - The KDA trail (`parity.model.KDACache.trail`): in a verify chunk [t0, d1, d2, d3] the conv window and state after
   the first a tokens are the state of decoding those a tokens alone, bit for bit, for every a (the state the rollout
   resumes from after a rejection, `rollout.caches.KDAStateLayer`), and the chunk's hidden states are plain decoding's.
 - `zerokl parity check --speculative` (MTP, 3 tokens, probabilistic drafts, batched and alone): every log-prob is the
-  trainer's, bit for bit, and drafts were both accepted and rejected; on the fast kernels the log-probs differ.
+  trainer's, bit for bit, and drafts were both accepted and rejected; on the fast kernels the log-probs differ. The
+  same with a DSpark draft (`{"method": "dspark", "model": DRAFT, ...}`).
 - `zerokl ppo` with `speculative` (configs/ppo-tiny-mtp.yaml), sampling truncated by top-k and top-p: zero KL every
   step, the drafts' acceptance in the metrics.
 - Bad speculative settings are refused before anything starts.
@@ -74,6 +76,27 @@ def test_mtp_drafts_keep_every_logprob_bitwise(k3_tiny_mxfp4: Path, tmp_path: Pa
     assert rc == 1 and fast["bitwise_equal"] < fast["tokens"] and fast["draft_tokens"] > 0, fast
 
 
+def test_dspark_drafts_keep_every_logprob_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A DSpark draft checkpoint (configs/k3-tiny-dspark.yaml, reading target layers 1, 4, 7) drafting 3 tokens on
+    vLLM's V1 runner (`rollout.vllm_dspark`): every log-prob the trainer's, batched and alone, with acceptances and
+    rejections; on the fast kernels the log-probs differ."""
+    from parity.io.checkpoint import init_checkpoint
+
+    draft = init_checkpoint(REPO / "configs" / "k3-tiny-dspark.yaml", tmp_path / "draft", seed=1)
+    spec = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": 3})
+    common = ["parity", "check", "--model", str(k3_tiny_mxfp4), "--speculative", spec, "--num-prompts", "4",
+              "--max-tokens", "16"]
+    rc = main([*common, "--batch-mix", "both", "--json", str(tmp_path / "spec.json")])
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "spec.json").read_text())
+    assert rc == 0 and data["bitwise_equal"] == data["tokens"] > 0 and "dspark drafts x3" in out, out
+    assert 0 < data["draft_tokens_accepted"] < data["draft_tokens"], data
+    rc = main([*common, "--kernels", "fast", "--no-diagnose", "--json", str(tmp_path / "fast.json")])
+    fast = json.loads((tmp_path / "fast.json").read_text())
+    assert rc == 1 and fast["bitwise_equal"] < fast["tokens"] and fast["draft_tokens"] > 0, fast
+
+
 def test_ppo_with_mtp_drafts_keeps_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
     cfg = replace(load_ppo_config(REPO / "configs/ppo-tiny-mtp.yaml"), model=str(k3_tiny_mxfp4), steps=2,
                   prompts_per_step=4, wandb="disabled", top_k=50, top_p=0.9)  # truncated: the rejection sampler's too
@@ -93,11 +116,15 @@ def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path
     """One `zerokl: error:` line, exit 2, before any engine or trainer starts."""
     cases = [(k3_tiny_mxfp4, "{method: mtp}", "not JSON"),
              (k3_tiny_mxfp4, '["mtp"]', "a JSON object"),
-             (k3_tiny_mxfp4, '{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of mtp"),
+             (k3_tiny_mxfp4, '{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of mtp, dspark"),
              (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 6}', "integer 1..5"),
              (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "top"}',
               "draft_sample_method must be one of"),
-             (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}', "unknown keys ['model']"),
+             (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "model": "x"}', "takes no model"),
+             (k3_tiny_mxfp4, '{"method": "mtp", "num_speculative_tokens": 2, "draft": "x"}', "unknown keys ['draft']"),
+             (k3_tiny_mxfp4, '{"method": "dspark", "num_speculative_tokens": 2}', "needs the draft checkpoint's"),
+             (k3_tiny_mxfp4, f'{{"method": "dspark", "num_speculative_tokens": 2, "model": "{k3_tiny}"}}',
+              "model_type must be 'k3_dspark'"),
              (k3_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "num_nextn_predict_layers is 0"),
              (kimi_linear_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "this one is kimi_linear")]
     for ckpt, spec, message in cases:
