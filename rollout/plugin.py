@@ -6,7 +6,8 @@ Select the model for an official checkpoint with `hf_overrides(kernels, model_ty
 Both families, Kimi K3 (`KimiK3ForConditionalGeneration`) and Kimi Linear (`KimiLinearForCausalLM`), are
 served by the one model class, chosen by overriding `architectures`; vLLM's own classes for those
 architectures stay registered as they are (the MTP draft architecture `KimiK3MTPModel` is registered to a class that
-builds zerokl's draft only for zerokl's target, `rollout.vllm_mtp`):
+builds zerokl's draft only for zerokl's target, `rollout.vllm_mtp`; for zerokl's target vLLM's V1 runner is let take
+`dspark`, which zerokl's own proposer runs, `rollout.vllm_dspark`):
 - `architectures` -> `ZeroKLK3ForCausalLM`;
 - the text config's `model_type` -> `zerokl_k3_text` (K3: `text_config.model_type`; Kimi Linear, whose whole
   config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`

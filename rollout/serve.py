@@ -21,8 +21,8 @@ its own options: checked here (a parser vLLM has, a K3 parser only on a checkpoi
 format, `parity.io.chat_format`), then handed to vLLM, whose chat endpoint renders the checkpoint's chat template
 and returns parsed `tool_calls` and `reasoning`.
 
-`--speculative` serves with drafts from the checkpoint's MTP layers (`rollout.speculative`), verified on the parity
-kernels: completions carry the log-probs plain decoding gives.
+`--speculative` serves with drafts from the checkpoint's MTP layers or a DSpark draft checkpoint
+(`rollout.speculative`), verified on the parity kernels: completions carry the log-probs plain decoding gives.
 """
 
 from __future__ import annotations
@@ -163,9 +163,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", help="vLLM tool-call parser for the chat endpoint (K3: kimi_k3)")
     p.add_argument("--reasoning-parser", help="vLLM reasoning parser for the chat endpoint (K3: kimi_k3)")
     p.add_argument("--speculative", metavar="JSON",
-                   help='speculative decoding from the checkpoint\'s MTP layers: {"method": "mtp", '
-                        '"num_speculative_tokens": 1-5, "draft_sample_method": "probabilistic" (default) or "greedy"} '
-                        "(verified on the parity kernels: the same log-probs as without drafts; no prefix caching)")
+                   help='speculative decoding: {"method": "mtp" (the checkpoint\'s MTP layers) or "dspark" (with '
+                        '"model": a DSpark draft checkpoint), "num_speculative_tokens": 1-5, "draft_sample_method": '
+                        '"probabilistic" (default) or "greedy"} (verified on the parity kernels: the same log-probs as '
+                        "without drafts; no prefix caching)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER,
                    help="further api_server flags after '--' (e.g. -- --max-model-len 4096)")
     p.set_defaults(func=run)

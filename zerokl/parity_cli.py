@@ -183,9 +183,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--no-diagnose", dest="diagnose", action="store_false",
                    help="skip the first-divergence diagnosis on failure")
     c.add_argument("--speculative", metavar="JSON",
-                   help='roll out with speculative decoding: {"method": "mtp", "num_speculative_tokens": 1-5, '
-                        '"draft_sample_method": "probabilistic" (default) or "greedy"}; drafts from the '
-                        "checkpoint's MTP layers, verified on the parity kernels")
+                   help='roll out with speculative decoding: {"method": "mtp" (the checkpoint\'s MTP layers) or '
+                        '"dspark" (with "model": a DSpark draft checkpoint), "num_speculative_tokens": 1-5, '
+                        '"draft_sample_method": "probabilistic" (default) or "greedy"}; verified on the parity kernels')
     c.set_defaults(func=_run_check)
     st = psub.add_parser("selftest", help="one-ulp rollout-side weight perturbations must be detected and localised")
     _add_check_args(st, num_prompts=8, max_tokens=16)

@@ -83,8 +83,8 @@ class PPOConfig:
     lora_init: str | None = None  # start from this PEFT adapter directory instead of PEFT's init (B = 0)
     vision_tower: str = "frozen"  # a model with a vision tower: frozen, or trainable (trained with the text model and
     # carried by every weight sync)
-    speculative: dict[str, Any] | None = None  # roll out with the checkpoint's MTP drafts (`rollout.speculative`);
-    # the draft layers stay as the checkpoint has them (the policy loss does not reach them)
+    speculative: dict[str, Any] | None = None  # roll out with drafts: the checkpoint's MTP layers or a DSpark draft
+    # checkpoint (`rollout.speculative`); the draft stays as its checkpoint has it (the policy loss does not reach it)
 
     @property
     def sampling(self) -> Sampling:
