@@ -251,9 +251,7 @@ def _aux_outputs_for_dspark(original: Any) -> Any:
     """Wrap `GPUModelRunner._setup_eagle3_aux_hidden_state_outputs`: on for zerokl's DSpark drafter (see 10.)."""
 
     def _setup_eagle3_aux_hidden_state_outputs(self: Any) -> None:
-        from rollout.vllm_dspark import ZeroKLDSparkProposer
-
-        if isinstance(getattr(self, "drafter", None), ZeroKLDSparkProposer):
+        if getattr(getattr(self, "drafter", None), "zerokl_dspark", False):
             self.use_aux_hidden_state_outputs = True
         original(self)
 

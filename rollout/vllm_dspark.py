@@ -28,26 +28,26 @@ import torch
 from parity.dspark import check_fits_target
 from parity.dspark_model import DSparkDraft
 from parity.io.checkpoint import load_dspark_checkpoint
-from parity.kernels import get_kernels
 from parity.weights import text_names
-from rollout.vllm_model import ModelSetupError, _kernels_name, checkpoint_config
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 
 class ZeroKLDSparkProposer(EagleProposer):
     """vLLM's EAGLE proposer plumbing (input preparation, rejected-token counts) with DSpark's draft step."""
 
+    zerokl_dspark = True  # what the runner patch (`rollout.vllm_compat` 10) looks for
+
     def load_model(self, target_model: torch.nn.Module) -> None:
-        """The draft checkpoint (`speculative_config.model`), checked against the target, on the target's kernel set,
-        sharing the target's embedding and lm_head tensors (so weight syncs reach the draft too)."""
-        text = checkpoint_config(self.vllm_config).text
+        """The draft checkpoint (`speculative_config.model`), checked against the target (zerokl's
+        `ZeroKLK3ForCausalLM`: its text config and kernel set), on the target's kernel set, sharing the target's
+        embedding and lm_head tensors (so weight syncs reach the draft too)."""
+        text = target_model.cfg
         path = self.speculative_config.draft_model_config.model
         cfg, weights = load_dspark_checkpoint(path)
         check_fits_target(cfg, text, f"DSpark draft {path}")
         names = text_names(text)
         shared = dict(target_model.named_parameters())
-        self.draft = DSparkDraft(cfg, weights, get_kernels(_kernels_name(self.vllm_config)), shared[names.embed],
-                                 shared[names.lm_head])
+        self.draft = DSparkDraft(cfg, weights, target_model.kernels, shared[names.embed], shared[names.lm_head])
         self.contexts: dict[str, list[torch.Tensor]] = {}  # request id -> per draft layer [positions, latent]
         self.batch: tuple[dict[str, Any], Any] | None = None  # the step's (runner requests, input batch)
         self.model = target_model  # what the runner reads for expert-load balancing (none here)
@@ -114,8 +114,7 @@ class ZeroKLDSparkProposer(EagleProposer):
         lengths = []
         for row, rid in enumerate(req_ids):
             lo, hi = starts[row], starts[row + 1] - rejected[row]
-            if hi <= lo:
-                raise ModelSetupError(f"DSpark draft: request {rid} has no valid token in this step")
+            assert hi > lo, f"DSpark draft: request {rid} has no valid token in this step"  # a verify keeps >= 1
             lengths.append(self._remember(rid, [lat[0, lo:hi] for lat in latents], target_positions[lo:hi]))
         width = max(lengths)
         caches = [torch.stack([torch.nn.functional.pad(self.contexts[rid][i], (0, 0, 0, width - n))

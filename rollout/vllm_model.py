@@ -164,7 +164,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             self.add_module(name, child)
         self.verify_rows = vllm_config.num_speculative_tokens + 1  # longest row of a decode (verify) step
         self.aux_layers: tuple[int, ...] = ()  # 0-based layers whose output streams `forward` also returns
-        spec = vllm_config.speculative_config
+        spec = getattr(vllm_config, "speculative_config", None)
         self.draft_layers: tuple[int, ...] = ()  # a DSpark draft's target_layer_ids (0-based)
         if spec is not None and spec.method == "dspark":
             self.draft_layers = tuple(spec.draft_model_config.hf_config.target_layer_ids)
