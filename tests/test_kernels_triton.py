@@ -230,6 +230,21 @@ def test_logprobs_large_vocab_and_bf16(p: Platform) -> None:
         close(full, ref, 1e-5)
 
 
+def test_checksum_word_mix_equals_the_torch_form(p: Platform) -> None:
+    """The weight-sync checksum's one-pass kernel gives the torch form's sum mod 2^64 for any length (one and
+    several blocks, a partial last block), and `checksum` on the platform's tensor equals the CPU one."""
+    from parity.kernels.triton.checksum import BLOCK, word_mix_sum
+    from parity.sync import bundle
+
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 5):
+        w = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=g)
+        want = bundle._mix_sum(w, 0) & (2**64 - 1)
+        assert word_mix_sum(p.t(w), bundle._C1, bundle._C2, bundle._C3, bundle._C4) == want
+    for t in (torch.randn(37, 11, generator=g).bfloat16(), torch.randint(0, 255, (4099,), dtype=torch.uint8)):
+        assert bundle.checksum(p.t(t)) == bundle.checksum(t)
+
+
 # --- short conv -----------------------------------------------------------------------------------
 
 @SETTINGS

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksum
 from parity.sync.group import StandaloneGroup, free_port
-from parity.sync.transports import Disk, Memory, SharedMemory, TorchDistributed, WeightSync, by_name
+from parity.sync.transports import ALIGN, Disk, Memory, SharedMemory, TorchDistributed, WeightSync, buckets, by_name
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -137,7 +137,7 @@ def _dist_worker(rank: int, init: str, out: str, world: int, standalone: bool) -
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         group = None
     try:
-        link = TorchDistributed(src=0, group=group)
+        link = TorchDistributed(src=0, group=group, bucket_bytes=64 if standalone else 1 << 28)
         if rank == 0:
             link.send(WeightBundle.make(7, _weights(7)))
         else:
@@ -153,7 +153,8 @@ def _dist_worker(rank: int, init: str, out: str, world: int, standalone: bool) -
 @pytest.mark.parametrize("standalone", [False, True], ids=["default-group", "standalone-group"])
 def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool) -> None:
     """One sender, two receivers: each gets the bundle, verified, with every checksum; over the default group of a
-    shared world, and over a `StandaloneGroup` in processes with no default group."""
+    shared world (all tensors in one bucket), and over a `StandaloneGroup` in processes with no default group (64-byte
+    buckets: two tensors packed in one, one alone)."""
     out, world = tmp_path / "received.pt", 3
     init = f"127.0.0.1:{free_port()}" if standalone else f"file://{tmp_path / 'init'}"
     mp.start_processes(_dist_worker, args=(init, str(out), world, standalone), nprocs=world, start_method="spawn")
@@ -161,6 +162,17 @@ def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool) -> N
         got = torch.load(f"{out}.{rank}")
         assert got["version"] == 7
         assert got["sums"] == {n: checksum(t) for n, t in _weights(7).items()}
+
+
+def test_buckets_keep_order_alignment_and_size() -> None:
+    """Buckets hold consecutive tensors in manifest order at aligned offsets, within the bucket size unless a tensor
+    alone is larger."""
+    meta = [(f"t{i}", [n], dtype) for i, (n, dtype) in
+            enumerate([(5, "torch.bfloat16"), (3, "torch.float32"), (20, "torch.uint8"), (100, "torch.float32"), (1, "torch.int64")])]
+    got = buckets(meta, 64)
+    assert [n for b in got for n, _ in b] == [m[0] for m in meta]
+    assert got == [[("t0", 0), ("t1", 16), ("t2", 32)], [("t3", 0)], [("t4", 0)]]
+    assert all(start % ALIGN == 0 for b in got for _, start in b)
 
 
 def test_ppo_sync_through_disk_writes_each_version_once(tmp_path: Path) -> None:

@@ -24,22 +24,36 @@ class SyncError(RuntimeError):
 _C1, _C2, _C3, _C4 = -7046029254386353131, -4658895280553007687, 1609587929392839161, -7723592293110705685
 
 
+def _mix_sum(words: torch.Tensor, first: int) -> int:
+    """sum_i mix(w_i, first + i) mod 2^64 (the torch form: element-wise int64 passes, wrapping)."""
+    idx = torch.arange(first, first + words.numel(), dtype=torch.int64, device=words.device)
+    return int((((words + idx * _C1) * _C2 ^ (idx * _C3)) * _C4).sum().item())
+
+
 def checksum(t: torch.Tensor) -> str:
     """A 64-bit checksum of the tensor's bytes, with its dtype and shape, computed on the tensor's own device.
 
-    The bytes are read as 64-bit words w_i; each is mixed with its index by a bijection (add, xor, multiply by
-    odd constants, mod 2^64), and the mixes are added mod 2^64. Integer addition is exact and order-free, so the
-    value does not depend on the device, the reduction order or the thread count: the same values give the same
-    checksum on the trainer's GPU, the engine's GPU and the CPU. Any change of one word changes it; a word moved
-    to another index changes it. Not cryptographic: it detects corruption in flight, not tampering."""
+    The bytes are read as 64-bit words w_i (the last one zero-padded); each is mixed with its index by a bijection
+    (add, xor, multiply by odd constants, mod 2^64), and the mixes are added mod 2^64. Integer addition is exact and
+    order-free, so the value does not depend on the device, the reduction order or the thread count: the same values
+    give the same checksum on the trainer's GPU (one Triton pass, `parity.kernels.triton.checksum`), the engine's GPU
+    and the CPU. Any change of one word changes it; a word moved to another index changes it. Not cryptographic: it
+    detects corruption in flight, not tampering."""
     data = t.detach().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-    pad = (-data.numel()) % 8
-    if pad:
-        data = torch.cat([data, data.new_zeros(pad)])
-    words = data.view(torch.int64)
-    idx = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
-    mixed = ((words + idx * _C1) * _C2 ^ (idx * _C3)) * _C4
-    total = int(mixed.sum().item()) & (2**64 - 1)
+    if data.storage_offset() % 8:
+        data = data.clone()  # int64 words need 8-byte alignment
+    whole = data.numel() // 8
+    words = data[: 8 * whole].view(torch.int64)
+    if words.is_cuda:
+        from parity.kernels.triton.checksum import word_mix_sum  # Triton only where there is a GPU
+
+        total = word_mix_sum(words, _C1, _C2, _C3, _C4)
+    else:
+        total = _mix_sum(words, 0)
+    if data.numel() % 8:
+        tail = torch.cat([data[8 * whole :], data.new_zeros(8 - data.numel() % 8)]).view(torch.int64)
+        total += _mix_sum(tail, whole)
+    total &= 2**64 - 1
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{t.dtype}:{tuple(t.shape)}:{t.numel() * t.element_size()}:{total:016x}".encode())
     return h.hexdigest()

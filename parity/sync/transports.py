@@ -9,8 +9,8 @@ bundle` on the receiving side (the same class, or `by_name(transport.name)` in a
   disk. `release` unlinks the segment.
 - `Disk`: safetensors + a JSON manifest (version, kind, checksums) written once to `ROOT/v{version}` through a
   temporary directory and an atomic rename; the message names the directory. `Disk()` (no root) only receives.
-- `TorchDistributed`: broadcasts the manifest, then each tensor in name order, from a source rank over a
-  `torch.distributed` group (gloo on CPU, NCCL on GPU: the sender's tensors and the receiver's `device` are then
+- `TorchDistributed`: broadcasts the manifest, then the tensors in name order packed into byte buckets, from a source
+  rank over a `torch.distributed` group (gloo on CPU, NCCL on GPU: the sender's tensors and the receiver's `device` are then
   CUDA devices); every rank gets the same bundle.
 
 `WeightSync(transport, receiver)` runs one sync with user hooks around it.
@@ -140,15 +140,44 @@ class Disk:
                             manifest["checksums"])
 
 
+ALIGN = 16  # bytes: where each tensor starts in a bucket (any dtype's view of it is aligned)
+
+
+def buckets(meta: list[tuple[str, list[int], str]], bucket_bytes: int) -> list[list[tuple[str, int]]]:
+    """Consecutive runs of `meta`'s tensors (name order), each with its tensors' byte offsets, filled up to
+    `bucket_bytes` (a larger tensor is a bucket of its own). A function of the manifest alone, so the sender and every
+    receiver cut the same buckets."""
+    out: list[list[tuple[str, int]]] = []
+    used = bucket_bytes
+    for name, shape, dtype in meta:
+        nbytes = math.prod(shape) * getattr(torch, dtype.removeprefix("torch.")).itemsize
+        start = -(-used // ALIGN) * ALIGN
+        if not out or start + nbytes > bucket_bytes:
+            out.append([])
+            start = 0
+        out[-1].append((name, start))
+        used = start + nbytes
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 @dataclass
 class TorchDistributed:
     """Broadcast from `src` to every rank of `group`; receiving ranks call `receive()` and get the tensors on
     `device` (default: the CPU). `group`: a group of this process's `torch.distributed` world (None: the default
-    group), or a `StandaloneGroup` (a trainer and rollout servers that share no world)."""
+    group), or a `StandaloneGroup` (a trainer and rollout servers that share no world).
+
+    On the wire: the manifest (an object), then the tensors in name order packed into flat byte buckets of up to
+    `bucket_bytes` (`buckets`), one broadcast per bucket; a receiver's tensors are views of its bucket buffers. A
+    bucket of one tensor is broadcast from (and into) the tensor itself, without the packing copy."""
 
     src: int = 0
     group: dist.ProcessGroup | StandaloneGroup | None = None
     device: torch.device | str | None = None
+    bucket_bytes: int = 1 << 28
     name: str = "torch_distributed"
 
     def _broadcast(self, t: torch.Tensor) -> None:
@@ -167,19 +196,37 @@ class TorchDistributed:
 
     def send(self, bundle: WeightBundle) -> Message:
         manifest = {"version": bundle.version, "kind": bundle.kind, "checksums": dict(bundle.checksums),
+                    "bucket_bytes": self.bucket_bytes,
                     "meta": [(n, list(t.shape), str(t.dtype)) for n, t in sorted(bundle.tensors.items())]}
         self._broadcast_object(manifest)
-        for name, _, _ in manifest["meta"]:
-            self._broadcast(bundle.tensors[name].contiguous())
+        for bucket in buckets(manifest["meta"], self.bucket_bytes):
+            tensors = [bundle.tensors[n].contiguous() for n, _ in bucket]
+            if len(tensors) == 1:
+                self._broadcast(tensors[0])
+                continue
+            flat = torch.empty(bucket[-1][1] + _nbytes(tensors[-1]), dtype=torch.uint8, device=tensors[0].device)
+            for (_, start), t in zip(bucket, tensors):
+                flat[start : start + _nbytes(t)].copy_(t.view(-1).view(torch.uint8))
+            self._broadcast(flat)
         return {"version": bundle.version, "kind": bundle.kind}
 
     def receive(self, message: Message | None = None) -> WeightBundle:
         manifest = self._broadcast_object(None)
+        meta = {name: (shape, getattr(torch, dtype.removeprefix("torch."))) for name, shape, dtype in manifest["meta"]}
         tensors = {}
-        for name, shape, dtype in manifest["meta"]:
-            t = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
-            self._broadcast(t)
-            tensors[name] = t
+        for bucket in buckets(manifest["meta"], int(manifest["bucket_bytes"])):
+            if len(bucket) == 1:
+                shape, dtype = meta[bucket[0][0]]
+                tensors[bucket[0][0]] = t = torch.empty(shape, dtype=dtype, device=self.device)
+                self._broadcast(t)
+                continue
+            last_shape, last_dtype = meta[bucket[-1][0]]
+            flat = torch.empty(bucket[-1][1] + math.prod(last_shape) * last_dtype.itemsize, dtype=torch.uint8,
+                               device=self.device)
+            self._broadcast(flat)
+            for name, start in bucket:
+                shape, dtype = meta[name]
+                tensors[name] = flat[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
         return WeightBundle(manifest["version"], manifest["kind"], tensors, manifest["checksums"])
 
     def release(self, message: Message) -> None:
