@@ -53,14 +53,14 @@ class Samples:
 
 
 def prefill(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int,
-            seed: int) -> tuple[list, torch.Tensor]:
-    """Chunked prefill of all prompts together (rows with fewer tokens left carry fewer, or none) into new caches
-    (MLA latents in a shuffled paged pool with room for `max_tokens` more) -> (caches, logits of each prompt's last
-    token [B, V])."""
+            seed: int, device: torch.device | str = "cuda") -> tuple[list, torch.Tensor]:
+    """Chunked prefill of all prompts together (rows with fewer tokens left carry fewer, or none) into new caches on
+    `device` (MLA latents in a shuffled paged pool with room for `max_tokens` more) -> (caches, logits of each
+    prompt's last token [B, V])."""
     text = cfg.text
     b = len(prompts)
     longest = max(map(len, prompts)) + max_tokens
-    caches = [PagedLatentPool.for_config(text, b, BLOCK, -(-longest // BLOCK) + 1, "cuda",
+    caches = [PagedLatentPool.for_config(text, b, BLOCK, -(-longest // BLOCK) + 1, device,
                                          torch.Generator().manual_seed(seed))
               if isinstance(c, MLACache) else c for c in new_cache(text, b)]
     done = [0] * b
@@ -72,7 +72,7 @@ def prefill(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_toke
         for r, (p, d, n) in enumerate(zip(prompts, done, lens)):
             ids[r, :n] = torch.tensor(p[d : d + n])
             pos[r] = torch.arange(d, d + max(lens)).clamp(max=max(d + n - 1, 0))
-        hidden = fwd.hidden(ids.cuda(), pos.cuda(), torch.tensor(lens).cuda(), caches)
+        hidden = fwd.hidden(ids.to(device), pos.to(device), torch.tensor(lens).to(device), caches)
         for r, n in enumerate(lens):
             if n:
                 last_hidden[r] = hidden[r, n - 1]
@@ -81,24 +81,29 @@ def prefill(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_toke
 
 
 def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int, temperature: float,
-             seed: int) -> Samples:
-    """`prefill`, then batched decode, each step one replay of a CUDA graph (`rollout.decode_graph`); token i is
-    sampled for every row at once by Gumbel-max, the noise drawn from a generator seeded by (seed, i)."""
+             seed: int, device: torch.device | str = "cuda") -> Samples:
+    """`prefill`, then batched decode on `device`, each step on CUDA one replay of a CUDA graph
+    (`rollout.decode_graph`), elsewhere one eager step; token i is sampled for every row at once by Gumbel-max, the
+    noise drawn from a generator on `device` seeded by (seed, i)."""
     b = len(prompts)
-    caches, logits = prefill(fwd, cfg, prompts, max_tokens, seed)
-    graph = GraphedDecode(fwd, caches, b) if max_tokens > 1 else None
+    device = torch.device(device)
+    caches, logits = prefill(fwd, cfg, prompts, max_tokens, seed, device)
+    graph = GraphedDecode(fwd, caches, b) if max_tokens > 1 and device.type == "cuda" else None
+    ones = torch.ones(b, dtype=torch.long, device=device)
     completions: list[list[int]] = [[] for _ in range(b)]
     logprobs: list[list[torch.Tensor]] = [[] for _ in range(b)]
     for i in range(max_tokens):
-        gumbel = -torch.empty(logits.shape, device="cuda").exponential_(
-            generator=torch.Generator("cuda").manual_seed(seed * 1_000_003 + i)).log()
+        gumbel = -torch.empty(logits.shape, device=device).exponential_(
+            generator=torch.Generator(device).manual_seed(seed * 1_000_003 + i)).log()
         tok = (logits.float() / temperature + gumbel).argmax(-1)
         lp = fwd.token_logprobs(logits, tok, temperature)
         for r in range(b):
             completions[r].append(int(tok[r]))
             logprobs[r].append(lp[r])
-        if graph is not None and i + 1 < max_tokens:
-            logits = graph.step(tok.view(b, 1), torch.tensor([[len(p) + i] for p in prompts]).cuda())
+        if i + 1 < max_tokens:
+            pos = torch.tensor([[len(p) + i] for p in prompts], device=device)
+            logits = graph.step(tok.view(b, 1), pos) if graph is not None else \
+                fwd.logits(fwd.hidden(tok.view(b, 1), pos, ones, caches)[:, 0])
     return Samples(prompts, completions, [torch.stack(x) for x in logprobs])
 
 
