@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from parity.absorbed_mla import absorb_queries, expand_values, split_heads
 from parity.dspark import DSparkConfig, layer, rope_table, rotate
 from parity.kernels import Kernels
 from parity.kernels.primitives import wide
@@ -63,13 +64,13 @@ class DSparkDraft:
             qa = self._norm(self._lin(a, f"{p}.self_attn.q_a_proj.weight"), f"{p}.self_attn.q_a_layernorm.weight")
             q = self._lin(qa, f"{p}.self_attn.q_b_proj.weight").view(b, n, h, dn + dr)
             keys = _with_block(cache[i], self._latent(a, p, pos), start)  # [B, S + n, W]
-            heads = self.w[f"{p}.self_attn.kv_b_proj.weight"].view(h, dn + dv, r)
-            q_lat = torch.stack([self.k.linear(q[:, :, j, :dn], heads[j, :dn].t()) for j in range(h)], dim=2)
+            uk_t, uv = split_heads(self.w[f"{p}.self_attn.kv_b_proj.weight"], h, dn)
+            q_lat = absorb_queries(self.k, q[..., :dn], uk_t)
             q_abs = torch.cat([q_lat, rotate(q[..., dn:], pos, self.table)], dim=-1).reshape(b, n * h, 1, r + dr)
             last = (start + n - 1).view(b, 1).expand(b, n * h)  # non-causal: every row sees the whole block
             lat = keys.unsqueeze(2)
             o_lat = self.k.attention(q_abs, lat, lat[..., :r], last, start + n, (dn + dr) ** -0.5).view(b, n, h, r)
-            o = torch.stack([self.k.linear(o_lat[:, :, j], heads[j, dn:]) for j in range(h)], dim=2)
+            o = expand_values(self.k, o_lat, uv)
             x = x + self._lin(o.reshape(b, n, h * dv), f"{p}.self_attn.o_proj.weight")
             m = self._norm(x, f"{p}.post_attention_layernorm.weight")
             act = self.k.silu_glu(self._lin(m, f"{p}.mlp.gate_proj.weight"), self._lin(m, f"{p}.mlp.up_proj.weight"))

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parity.absorbed_mla import absorb_queries, expand_values, split_heads
 from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.kernels.dsa import top_positions
@@ -359,14 +360,10 @@ class K3Forward:
         lora = self._lora(name)
         if lora is not None:
             w = wide(w) + self.k.linear(wide(lora.b), wide(lora.a).t()) * lora.scale
-        heads = w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        dn = c.qk_nope_head_dim
-
-        def same_values(view: torch.Tensor) -> torch.Tensor:
-            return mark_bf16_valued(view) if holds_bf16_values(w) else view
-
-        return ([same_values(heads[i, :dn].t()) for i in range(len(heads))],
-                [same_values(heads[i, dn:]) for i in range(len(heads))])
+        uk_t, uv = split_heads(w, c.num_attention_heads, c.qk_nope_head_dim)
+        if holds_bf16_values(w):
+            uk_t, uv = [mark_bf16_valued(v) for v in uk_t], [mark_bf16_valued(v) for v in uv]
+        return uk_t, uv
 
     def _mla(self, x: torch.Tensor, p: str, cache: MLACache, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """NoPE MLA on normalised input x: [B, T, D]; appends this step's latents to `cache`.
@@ -393,7 +390,7 @@ class K3Forward:
         else:  # a cache holding index keys (the shared forward's `MLACache`; not yet the engines' paged ones)
             cache.append(latent, lens, self._index_keys(x, p))
         uk_t, uv = self._kv_b_heads(p)
-        q_lat = torch.stack([self.k.linear(q[:, :, i, :dn], uk_t[i]) for i in range(h)], dim=2)  # [B, T, H, r]
+        q_lat = absorb_queries(self.k, q[..., :dn], uk_t)  # [B, T, H, r]
         q_abs = torch.cat([q_lat, q[..., dn:]], dim=-1).reshape(b, t * h, 1, r + dr)  # rows (token, head)
         if c.index_topk is None:
             o_lat = cache.attend(self.k, q_abs, r, pos.repeat_interleave(h, dim=1), (dn + dr) ** -0.5)
@@ -401,7 +398,7 @@ class K3Forward:
             selected, count = self._select(x, qr, p, cache, pos)
             o_lat = cache.sparse_attend(self.k, q_abs.view(b, t, h, r + dr), selected, count, r, (dn + dr) ** -0.5)
         o_lat = o_lat.view(b, t, h, r)
-        o = torch.stack([self.k.linear(o_lat[:, :, i], uv[i]) for i in range(h)], dim=2)  # [B, T, H, dv]
+        o = expand_values(self.k, o_lat, uv)  # [B, T, H, dv]
         if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
             o = (wide(o) * self.k.sigmoid(wide(self._lin(x, f"{p}.g_proj.weight")).view(b, t, h, dv))).to(o.dtype)
         return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")

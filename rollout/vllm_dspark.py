@@ -48,7 +48,7 @@ class ZeroKLDSparkProposer(EagleProposer):
         names = text_names(text)
         shared = dict(target_model.named_parameters())
         self.draft = DSparkDraft(cfg, weights, target_model.kernels, shared[names.embed], shared[names.lm_head])
-        self.contexts: dict[str, list[torch.Tensor]] = {}  # request id -> per draft layer [positions, latent]
+        self.contexts: dict[str, list[torch.Tensor]] = {}  # request id -> per draft layer [capacity, latent]
         self.batch: tuple[dict[str, Any], Any] | None = None  # the step's (runner requests, input batch)
         self.model = target_model  # what the runner reads for expert-load balancing (none here)
         self.supports_mm_inputs = False
@@ -78,20 +78,21 @@ class ZeroKLDSparkProposer(EagleProposer):
         """The draft keeps its context outside vLLM's KV cache."""
 
     def _remember(self, rid: str, latents: list[torch.Tensor], positions: torch.Tensor) -> int:
-        """Write one request's context latents (per layer [n, W]) at `positions` (ascending, contiguous); returns the
-        number of positions the request's context now holds (its last written position + 1)."""
-        end = int(positions[-1]) + 1
-        old = self.contexts.get(rid)
-        start = int(positions[0])
-        bufs = []
-        for i, new in enumerate(latents):
-            buf = new.new_zeros(end, new.shape[-1])
-            if old is not None:
-                keep = min(start, old[i].shape[0])
-                buf[:keep] = old[i][:keep]
+        """Write one request's context latents (per layer [n, W]) at `positions` (ascending, contiguous) into its
+        buffers, which grow by doubling (a copy only then); returns the number of positions the request's context now
+        holds (its last written position + 1). Rows at or past that number are stale or unwritten: never read."""
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        bufs = self.contexts.get(rid)
+        if bufs is None or bufs[0].shape[0] < end:
+            cap = max(end, 2 * bufs[0].shape[0] if bufs is not None else 0)
+            grown = [new.new_zeros(cap, new.shape[-1]) for new in latents]
+            if bufs is not None:
+                keep = min(start, bufs[0].shape[0])
+                for old, buf in zip(bufs, grown):
+                    buf[:keep] = old[:keep]
+            self.contexts[rid] = bufs = grown
+        for buf, new in zip(bufs, latents):
             buf[start:end] = new
-            bufs.append(buf)
-        self.contexts[rid] = bufs
         return end
 
     def propose(self, num_speculative_tokens: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
@@ -117,7 +118,7 @@ class ZeroKLDSparkProposer(EagleProposer):
             assert hi > lo, f"DSpark draft: request {rid} has no valid token in this step"  # a verify keeps >= 1
             lengths.append(self._remember(rid, [lat[0, lo:hi] for lat in latents], target_positions[lo:hi]))
         width = max(lengths)
-        caches = [torch.stack([torch.nn.functional.pad(self.contexts[rid][i], (0, 0, 0, width - n))
+        caches = [torch.stack([torch.nn.functional.pad(self.contexts[rid][i][:n], (0, 0, 0, width - n))
                                for rid, n in zip(req_ids, lengths)]) for i in range(self.draft.cfg.num_hidden_layers)]
         anchor = next_token_ids[:b].long()
         base = self.draft.base_logits(self.draft.block_hidden(anchor, torch.tensor(lengths), caches,
