@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # a Ray cluster, two servers and a trainer: scheduled first
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 3
+STEPS = 2  # the second server dies after step 0: step 1 runs on the first alone
 
 
 def server_group(url: str, out: Path) -> int | None:
