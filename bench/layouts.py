@@ -13,8 +13,10 @@ Invariants (exit 1 if one fails):
    max |diff|.
 Reported: after each update, the classes of layouts with bitwise-equal weights and with bitwise-equal applied gradients
 (DDP-reduced, clipped; `parity.sync.bundle.checksum` of every whole tensor), the first tensor where a class differs
-from the first class, the smallest set of sizes among (tp, ep, dp) that fixes the class (the rule), and for each pair
-of layouts differing in one size the gradients that size left equal.
+from the first class, the smallest set of sizes among (tp, ep, dp) that fixes the class (the rule), for each pair
+of layouts differing in one size the gradients that size left equal, and each layout's gradient drift: its step-0
+gradients (same weights, same loss) against the first layout's, ||g - g0|| / ||g0|| and the worst tensor's, which
+tells rounding (other reduction orders) from a wrong gradient.
 
 Every layout optimises the same function, the mean token NLL over the global batch: DP rank r trains on its contiguous
 share of the sequences (its TP peers on the same share) with loss -(its tokens' log-prob sum) * DP / (global tokens);
@@ -24,7 +26,10 @@ bits in every layout (DP = 1 or 2: exact).
 Findings (k3-tiny on CPU over gloo, invariant kernels, lr 1e-3, fp32 and bf16 checkpoints, W <= 2 and, fp32, W <= 4:
 11 layouts): the forward is bitwise and the KL exactly 0 at every step of every layout; but no two layouts hold equal
 weights after any update, with clipping on (--clip-grad 1: the grad norm is about 45, every step clips) or off
-(--clip-grad 1e9). Each size changes the gradients, each at its own place (first backward, clipping off, seen in which
+(--clip-grad 1e9). They compute the same gradient up to rounding: the step-0 gradient drift against TP = EP = DP = 1
+is at most 1.2e-6 in fp32 (worst tensor 7.5e-6; DP alone 9e-8) and 2.3e-2 in bf16, where activations are rounded to
+bf16 between ops (worst tensor 5.9e-2, a KDA gate's dt_bias; DP alone 5e-8: it only adds fp32 partial weight
+gradients). Each size changes the gradients, each at its own place (first backward, clipping off, seen in which
 gradients a one-size neighbour keeps):
 - TP: the forward never splits a reduction differently (row-parallel partials are whole segments of the invariant GEMM,
   added in its fixed pairwise order), but the backward does: the input gradient of a vocab- or column-split GEMM is a
@@ -59,6 +64,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -205,6 +211,8 @@ def run_layout(layout: Layout, cfg: ModelConfig, stored: dict[str, torch.Tensor]
                              else {})})
             if step == 0:
                 result["logprobs"] = [lp for s in _one_per_dp_rank(shares) for lp in s.trainer]
+                if dist.get_rank() == 0:
+                    result["gradient_drift"] = gradient_drift(grads, args.out / "step0-gradients.pt", layout.tag)
             if kl["bitwise_equal"] != kl["tokens"]:
                 result["failure"] = (f"{layout.tag} step {step}: {kl['tokens'] - kl['bitwise_equal']} of "
                                      f"{kl['tokens']} token log-probs differ between trainer and rollout side, "
@@ -231,6 +239,28 @@ class Gradients:
 
     def vision_parameters(self) -> dict[str, torch.Tensor]:
         return {}
+
+
+def gradient_drift(grads: dict[str, torch.Tensor], first_file: Path, tag: str) -> dict[str, Any]:
+    """This layout's step-0 gradients against the first layout's (which saves them to `first_file`): the same weights
+    and the same loss, so only the rounding of other reduction orders separates them. Returns the relative difference
+    ||g - g0|| / ||g0|| over all tensors and the tensor where it is largest (float64 sums)."""
+    mine = {n: t.detach().cpu() for n, t in grads.items()}
+    if not first_file.exists():
+        torch.save({"layout": tag, "gradients": mine}, first_file)
+        return {"against": tag, "relative": 0.0, "worst_tensor": None, "worst_relative": 0.0}
+    first = torch.load(first_file)
+    diff2 = norm2 = 0.0
+    worst, worst_rel = None, 0.0
+    for n, g0 in first["gradients"].items():
+        d2 = float((mine[n].double() - g0.double()).pow(2).sum())
+        n2 = float(g0.double().pow(2).sum())
+        diff2, norm2 = diff2 + d2, norm2 + n2
+        rel = math.sqrt(d2 / n2) if n2 else (math.inf if d2 else 0.0)
+        if rel > worst_rel:
+            worst, worst_rel = n, rel
+    return {"against": first["layout"], "relative": math.sqrt(diff2 / norm2), "worst_tensor": worst,
+            "worst_relative": worst_rel}
 
 
 def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -406,7 +436,8 @@ def summary(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
              "kl_zero_steps": sum(s["kl"]["bitwise_equal"] == s["kl"]["tokens"] for s in r["steps"]),
              "kl": [s["kl"] for s in r["steps"]], "losses": [s["loss"] for s in r["steps"]],
              "grad_norms": [s["grad_norm"] for s in r["steps"]], "clipped": [s["clipped"] for s in r["steps"]],
-             "failure": r["failure"], "seconds": r["seconds"]} for r in results]
+             "gradient_drift": r["gradient_drift"], "failure": r["failure"], "seconds": r["seconds"]}
+            for r in results]
     per_step = []
     for step in range(steps):
         weights = classes_of(results, step, "weights")
@@ -425,6 +456,8 @@ def driver(args: argparse.Namespace) -> int:
     is bitwise and every KL check passed."""
     if (args.config is None) == (args.checkpoint is None):
         raise SystemExit("give --config (a checkpoint is written) or --checkpoint")
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1")
     if args.batch % max(DP_SIZES):
         raise SystemExit(f"--batch must be divisible by every DP size {DP_SIZES}")
     max_world = args.max_world or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
@@ -440,8 +473,10 @@ def driver(args: argparse.Namespace) -> int:
             ok = bits_equal(r["logprobs"], r["reference"])
             steps = " ".join(f"[{s['step']}] kl_equal {s['kl']['bitwise_equal']}/{s['kl']['tokens']} "
                              f"norm {s['grad_norm']:.6g}{' clipped' if s['clipped'] else ''}" for s in r["steps"])
-            print(f"{_tag(r):14} forward {'bitwise' if ok else 'DIFFERS'} | {steps} | "
-                  f"{r['seconds']:.1f} s", flush=True)
+            drift = r["gradient_drift"]
+            print(f"{_tag(r):14} forward {'bitwise' if ok else 'DIFFERS'} | {steps} | step-0 gradients vs "
+                  f"{drift['against']}: {drift['relative']:.1e} (worst {drift['worst_tensor']} "
+                  f"{drift['worst_relative']:.1e}) | {r['seconds']:.1f} s", flush=True)
             if r["failure"]:
                 print(f"STOP: {r['failure']}", flush=True)
 
@@ -470,11 +505,14 @@ def driver(args: argparse.Namespace) -> int:
 
 
 def print_summary(report: dict[str, Any]) -> None:
-    print(f"\n{'layout':14} {'W':>2} {'fwd=1proc':>9} {'fwd=first':>9} {'KL=0 steps':>10}  grad norms", flush=True)
+    print(f"\n{'layout':14} {'W':>2} {'fwd=1proc':>9} {'fwd=first':>9} {'KL=0 steps':>10} {'grad drift':>10}  "
+          "grad norms", flush=True)
     for r in report["layouts"]:
         norms = " ".join(f"{n:.6g}{'*' if c else ''}" for n, c in zip(r["grad_norms"], r["clipped"]))
         print(f"{r['layout']:14} {r['world']:>2} {str(r['forward_equals_one_process']):>9} "
-              f"{str(r['forward_equals_first_layout']):>9} {r['kl_zero_steps']:>10}  {norms}")
+              f"{str(r['forward_equals_first_layout']):>9} {r['kl_zero_steps']:>10} "
+              f"{r['gradient_drift']['relative']:>10.1e}  {norms}")
+    print("(grad drift: ||g - g0|| / ||g0|| of the step-0 gradients against the first layout's)")
     print("(* = clipped)")
     for s in report["steps"]:
         for what in ("weight", "gradient"):

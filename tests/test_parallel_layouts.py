@@ -88,3 +88,15 @@ def test_where_each_size_changes_the_gradients(report: dict) -> None:
             assert LM_HEAD in equal and FINAL_NORM not in equal, p
         else:
             assert {LM_HEAD, FINAL_NORM} <= equal, p
+
+
+def test_every_layout_computes_the_same_gradient_up_to_rounding(report: dict) -> None:
+    """Step 0 (same weights, same loss): each layout's gradients against the first layout's. fp32: every tensor
+    within rounding of other reduction orders (a lost or doubled reduction moves a tensor by O(1)); DP alone only adds
+    the ranks' fp32 partial weight gradients, the least change."""
+    drift = {r["layout"]: r["gradient_drift"] for r in report["layouts"]}
+    assert drift.keys() == EXPECTED and all(d["against"] == "tp1-ep1-dp1" for d in drift.values())
+    assert drift["tp1-ep1-dp1"]["relative"] == 0.0
+    for tag, d in drift.items():
+        assert d["relative"] < 1e-5 and d["worst_relative"] < 1e-4, (tag, d)
+    assert drift["tp1-ep1-dp2"]["worst_relative"] < 1e-6, drift
