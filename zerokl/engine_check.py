@@ -185,11 +185,8 @@ class TensorParallelScorer:
     def __init__(self, checkpoint: Path, tp: int, kernels: str, adapter: str | Path | None):
         from trainer.megatron.sharding import check_divisible
 
-        if kernels == "triton":
-            raise ConfigError(f"--tp {tp} with --kernels triton is not built: the Triton GEMM adds its own fixed K "
-                              "segments, which a row-parallel split would have to follow; use --tp 1")
         try:  # a bad --tp fails here, before anything starts
-            check_divisible(load_checkpoint(checkpoint)[0].text, tp, 1)
+            check_divisible(load_checkpoint(checkpoint)[0].text, tp, 1, segmented=kernels != "triton")
         except ValueError as e:
             raise ConfigError(f"--tp {tp}: {e}") from None
         self.checkpoint, self.tp, self.kernels, self.adapter = checkpoint, tp, kernels, adapter

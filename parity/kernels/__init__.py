@@ -19,7 +19,7 @@ import torch
 
 from parity.kernels.registry import FAST, FAST_GROUPED, INVARIANT, KERNEL_SETS, Kernels
 
-__all__ = ["KERNEL_SETS", "FAST", "INVARIANT", "Kernels", "get_kernels"]
+__all__ = ["KERNEL_SETS", "FAST", "INVARIANT", "Kernels", "get_kernels", "runs_triton"]
 
 
 def get_kernels(name: str) -> Kernels:
@@ -46,3 +46,10 @@ def get_kernels(name: str) -> Kernels:
 
         return TRITON
     raise ValueError(f"unknown kernel set {name!r}; choose one of {', '.join(KERNEL_SETS)}")
+
+
+def runs_triton(name: str, device: torch.device) -> bool:
+    """Whether kernel set `name` runs the Triton kernels on tensors of `device`: 'triton' on every device, 'invariant'
+    on CUDA (`get_kernels`). Their GEMM adds its own fixed K segments and their routed experts are one grouped op,
+    which is what a tensor- or expert-parallel split has to follow."""
+    return name == "triton" or (name == "invariant" and device.type == "cuda")

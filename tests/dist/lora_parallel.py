@@ -1,7 +1,7 @@
 """torchrun worker for tests/test_lora_parallel.py: the K3 trainer with a LoRA adapter at TP/EP = 2 against the
 one-process shared forward with `K3Weights.lora`.
 
-Run: torchrun --nproc_per_node 2 tests/dist/lora_parallel.py --tp 2 --ep 2 --checkpoint DIR --out DIR
+Run: torchrun --nproc_per_node 2 tests/dist/lora_parallel.py --tp 2 --ep 2 --checkpoint DIR --out DIR [--kernels K]
 Each check prints one line; any failure raises (non-zero exit).
 """
 
@@ -18,9 +18,10 @@ import torch.distributed as dist
 from lora.adapter import Adapter
 from lora.init import random_adapter
 from lora.state import read_state
-from parity.kernels import INVARIANT
+from parity.kernels import get_kernels
 from parity.kernels.linear import LoRA
 from parity.model import K3Forward, K3Weights, score_sequences
+from parity.weights import master_weights
 from trainer.megatron.io import export_adapter, save_adapter_state
 from trainer.logprobs import PaddedBatch, token_logprobs
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
@@ -60,18 +61,19 @@ def main() -> None:
     ap.add_argument("--ep", type=int, required=True)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--kernels", default="invariant")
     args = ap.parse_args()
     par: ParallelContext = init_parallel(args.tp, args.ep)
     tag = f"TP={par.tp} EP={par.ep} DP={par.dp}"
     model_cfg, weights = load_checkpoint(args.checkpoint)
     adapter = random_adapter(model_cfg.text, 4, 8.0, seed=6)
-    model = build_model(model_cfg, weights, par, adapter=adapter)
+    model = build_model(model_cfg, master_weights(model_cfg.text, weights), par, args.kernels, adapter=adapter)
     check(same(export_adapter(model), adapter), f"{tag}: adapter load then export is bitwise")
 
     base = K3Weights.from_official(model_cfg.text, weights)
     ref_lora = {n: LoRA(lo.a.clone().requires_grad_(True), lo.b.clone().requires_grad_(True), lo.scale)
                 for n, lo in adapter.lora().items()}
-    ref = K3Forward(K3Weights(model_cfg.text, base.tensors, ref_lora), INVARIANT)
+    ref = K3Forward(K3Weights(model_cfg.text, base.tensors, ref_lora), get_kernels(args.kernels))
     seqs = sequences(par.dp_rank)
     batch = PaddedBatch.from_sequences(seqs)
     trainer = wrap(model, lr=1e-3, clip_grad=CLIP_GRAD)

@@ -14,7 +14,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parity.config import ModelConfig
-from parity.kernels import KERNEL_SETS
+from parity.kernels import KERNEL_SETS, runs_triton
 from trainer.megatron.parallel import ParallelContext
 from trainer.megatron.sharding import check_divisible
 
@@ -32,19 +32,18 @@ class K3TransformerConfig(TransformerConfig):
             raise ValueError("K3TransformerConfig.k3: the official model config is required")
         if self.kernels not in KERNEL_SETS:
             raise ValueError(f"K3TransformerConfig.kernels: choose one of {KERNEL_SETS}, got {self.kernels!r}")
-        if self.kernels == "triton" and self.tensor_model_parallel_size > 1:
-            raise ValueError("tensor parallelism on the triton kernels is not built: the Triton GEMM adds its own "
-                             "fixed K segments, which a row-parallel split would have to follow; use tp = 1")
-        if self.kernels == "triton" and self.expert_model_parallel_size > 1:
-            raise ValueError("expert parallelism on the triton kernels is not built: the grouped expert op runs every "
-                             "expert of a layer in one call (and rounds its combined output once); use ep = 1")
 
 
 def k3_transformer_config(model_cfg: ModelConfig, par: ParallelContext, kernels: str = "invariant",
                           params_dtype: torch.dtype = torch.float32) -> K3TransformerConfig:
     """The trainer's config for `model_cfg` at `par`'s TP/EP sizes; fp32 master parameters unless asked."""
     t = model_cfg.text
-    check_divisible(t, par.tp, par.ep)
+    triton = runs_triton(kernels, par.device)
+    check_divisible(t, par.tp, par.ep, segmented=not triton)
+    if par.ep > 1 and triton:
+        raise ValueError(f"expert parallelism on the Triton kernels (kernels {kernels!r} on {par.device.type}) is not "
+                         "built: their grouped expert op adds a token's expert outputs inside one call, which an "
+                         "expert-parallel split would have to follow; use ep = 1 (tensor and data parallelism work)")
     moe = {}
     if t.num_experts is not None:
         moe = dict(

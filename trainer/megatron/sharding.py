@@ -160,8 +160,10 @@ def lora_splits(base: Split) -> tuple[Split, Split]:
     raise ValueError(f"a {base.value} weight takes no LoRA")
 
 
-def check_divisible(cfg: TextConfig, tp: int, ep: int) -> None:
-    """Raise ValueError naming the config field that `tp` or `ep` does not divide."""
+def check_divisible(cfg: TextConfig, tp: int, ep: int, segmented: bool = True) -> None:
+    """Raise ValueError naming the config field that `tp` or `ep` does not divide. `segmented`: the row-parallel GEMMs
+    split their fixed K segments over TP (the CPU invariant kernels), so TP must divide them; False where each rank
+    gathers whole rows (the Triton kernels: `parity.kernels.runs_triton`)."""
     need = {
         "linear_attn_config.num_heads": (cfg.kda_num_heads, tp),
         "num_attention_heads": (cfg.num_attention_heads, tp),
@@ -173,7 +175,7 @@ def check_divisible(cfg: TextConfig, tp: int, ep: int) -> None:
     for field, (size, parts) in need.items():
         if size % parts:
             raise ValueError(f"{field} = {size} is not divisible by the parallel size {parts}")
-    if tp > 1:
+    if tp > 1 and segmented:
         for name, spec in text_specs(cfg).items():
             k = spec.shape[-1]
             if split_of(name) is Split.ROW and k_segments(k) % tp:
