@@ -90,7 +90,7 @@ from parity.config import ModelConfig, TextConfig  # noqa: E402
 from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
 from parity.kernels import get_kernels, runs_triton  # noqa: E402
 from parity.model import K3Forward, K3Weights, score_sequences  # noqa: E402
-from parity.sync.bundle import checksum  # noqa: E402
+from parity.sync.bundle import checksums as tensor_checksums  # noqa: E402
 from parity.weights import master_weights, serving_weights  # noqa: E402
 from sync_x2 import NO_MULTICAST  # noqa: E402
 from trainer.logprobs import PaddedBatch, token_logprobs  # noqa: E402
@@ -209,8 +209,8 @@ def run_layout(layout: Layout, cfg: ModelConfig, stored: dict[str, torch.Tensor]
             result["steps"].append({
                 "step": step, "loss": sum(s.loss for s in _one_per_dp_rank(shares)) / par.dp, "grad_norm": grad_norm,
                 "clipped": args.clip_grad / (grad_norm + 1.0e-6) < 1.0,  # Megatron's test (optimizer/clip_grads.py)
-                "kl": kl, **({"weights": checksums(weights), "gradients": checksums(grads)} if dist.get_rank() == 0
-                             else {})})
+                "kl": kl, **({"weights": tensor_checksums(weights), "gradients": tensor_checksums(grads)}
+                             if dist.get_rank() == 0 else {})})
             if step == 0:
                 result["logprobs"] = [lp for s in _one_per_dp_rank(shares) for lp in s.trainer]
                 if dist.get_rank() == 0:
@@ -263,10 +263,6 @@ def gradient_drift(grads: dict[str, torch.Tensor], first_file: Path, tag: str) -
             worst, worst_rel = n, rel
     return {"against": first["layout"], "relative": math.sqrt(diff2 / norm2), "worst_tensor": worst,
             "worst_relative": worst_rel}
-
-
-def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: checksum(t) for n, t in tensors.items()}
 
 
 def _one_per_dp_rank(shares: list[Share]) -> list[Share]:

@@ -245,6 +245,25 @@ def test_checksum_word_mix_equals_the_torch_form(p: Platform) -> None:
         assert bundle.checksum(p.t(t)) == bundle.checksum(t)
 
 
+def test_checksum_batches_equal_one_tensor_at_a_time(p: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many tensors in batched launches (tiny batches here, so a batch boundary falls between and after tensors):
+    each sum is the torch form's, empty and partial-block tensors included; `checksums` on the platform's tensors
+    equals `checksum` of each on the CPU."""
+    from parity.kernels.triton import checksum as kernel
+    from parity.sync import bundle
+
+    monkeypatch.setattr(kernel, "BATCH_BYTES", 3 * kernel.BLOCK * 8)
+    g = torch.Generator().manual_seed(4)
+    sizes = (5, 0, kernel.BLOCK + 3, 1, 2 * kernel.BLOCK, 7, 0, kernel.BLOCK - 1)
+    words = [torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=g) for n in sizes]
+    want = [bundle._mix_sum(w, 0) & (2**64 - 1) for w in words]
+    assert kernel.word_mix_sums([p.t(w) for w in words], bundle._C1, bundle._C2, bundle._C3, bundle._C4) == want
+    tensors = {f"t{i}": t for i, t in enumerate((torch.randn(37, 11, generator=g).bfloat16(), torch.zeros(0),
+                                                  torch.randint(0, 255, (4099,), dtype=torch.uint8),
+                                                  torch.randn(3, kernel.BLOCK + 1, generator=g)))}
+    assert bundle.checksums({n: p.t(t) for n, t in tensors.items()}) == {n: bundle.checksum(t) for n, t in tensors.items()}
+
+
 # --- short conv -----------------------------------------------------------------------------------
 
 @SETTINGS

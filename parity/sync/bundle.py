@@ -36,20 +36,42 @@ def checksum(t: torch.Tensor) -> str:
     The bytes are read as 64-bit words w_i (the last one zero-padded); each is mixed with its index by a bijection
     (add, xor, multiply by odd constants, mod 2^64), and the mixes are added mod 2^64. Integer addition is exact and
     order-free, so the value does not depend on the device, the reduction order or the thread count: the same values
-    give the same checksum on the trainer's GPU (one Triton pass, `parity.kernels.triton.checksum`), the engine's GPU
-    and the CPU. Any change of one word changes it; a word moved to another index changes it. Not cryptographic: it
-    detects corruption in flight, not tampering."""
-    data = t.detach().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-    if data.storage_offset() % 8:
-        data = data.clone()  # int64 words need 8-byte alignment
-    whole = data.numel() // 8
-    words = data[: 8 * whole].view(torch.int64)
-    if words.is_cuda:
-        from parity.kernels.triton.checksum import word_mix_sum  # Triton only where there is a GPU
+    give the same checksum on the trainer's GPU (Triton, `parity.kernels.triton.checksum`), the engine's GPU and the
+    CPU. Any change of one word changes it; a word moved to another index changes it. Not cryptographic: it detects
+    corruption in flight, not tampering."""
+    return checksums({"": t})[""]
 
-        total = word_mix_sum(words, _C1, _C2, _C3, _C4)
-    else:
-        total = _mix_sum(words, 0)
+
+def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """`checksum` of every tensor; the word sums of CUDA tensors in a few batched launches per device
+    (`parity.kernels.triton.checksum.word_mix_sums`) rather than a launch and a read-back each."""
+    data = {n: _bytes(t) for n, t in tensors.items()}
+    words = {n: d[: 8 * (d.numel() // 8)].view(torch.int64) for n, d in data.items()}
+    totals: dict[str, int] = {}
+    on_gpu: dict[torch.device, list[str]] = {}
+    for n, w in words.items():
+        if w.is_cuda:
+            on_gpu.setdefault(w.device, []).append(n)
+        else:
+            totals[n] = _mix_sum(w, 0)
+    if on_gpu:
+        from parity.kernels.triton.checksum import word_mix_sums  # Triton only where there is a GPU
+
+        for names in on_gpu.values():
+            totals.update(zip(names, word_mix_sums([words[n] for n in names], _C1, _C2, _C3, _C4)))
+    return {n: _digest(t, data[n], totals[n]) for n, t in tensors.items()}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, contiguous, starting 8-byte aligned (int64 words need it)."""
+    data = t.detach().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    return data.clone() if data.storage_offset() % 8 else data
+
+
+def _digest(t: torch.Tensor, data: torch.Tensor, total: int) -> str:
+    """The checksum string from the whole words' mix sum `total`: the zero-padded last word added, then the sum with
+    the dtype, shape and byte count hashed."""
+    whole = data.numel() // 8
     if data.numel() % 8:
         tail = torch.cat([data[8 * whole :], data.new_zeros(8 - data.numel() % 8)]).view(torch.int64)
         total += _mix_sum(tail, whole)
@@ -82,7 +104,7 @@ class WeightBundle:
         """The bundle of `tensors` as they are (no copy: the sender leaves them unchanged until the sync returns),
         each checksummed once, on its own device."""
         held = {n: t.detach().contiguous() for n, t in tensors.items()}
-        return cls(version, kind, held, {n: checksum(t) for n, t in held.items()})
+        return cls(version, kind, held, checksums(held))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
@@ -104,7 +126,9 @@ def verify(bundle: WeightBundle, expected: Mapping[str, tuple[tuple[int, ...], t
             raise SyncError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
         if name not in bundle.checksums:
             raise SyncError(f"{name}: no checksum")
-        if checksum(t) != bundle.checksums[name]:
+    arrived = checksums(bundle.tensors)
+    for name in bundle.tensors:
+        if arrived[name] != bundle.checksums[name]:
             raise SyncError(f"{name}: checksum mismatch (corrupted in flight)")
 
 
