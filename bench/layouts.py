@@ -251,7 +251,7 @@ def gradient_drift(grads: dict[str, torch.Tensor], first_file: Path, tag: str) -
     if not first_file.exists():
         torch.save({"layout": tag, "gradients": mine}, first_file)
         return {"against": tag, "relative": 0.0, "worst_tensor": None, "worst_relative": 0.0}
-    first = torch.load(first_file)
+    first = torch.load(first_file, weights_only=True)
     diff2 = norm2 = 0.0
     worst, worst_rel = None, 0.0
     for n, g0 in first["gradients"].items():
@@ -336,7 +336,7 @@ def launch(world: int, group: list[Layout], ckpt: Path, out: Path, args: argpars
             rc = proc.poll()
             for lay in [lay for lay in pending if (out / f"{lay.tag}.pt").exists()]:
                 pending.remove(lay)
-                result = torch.load(out / f"{lay.tag}.pt", weights_only=False)
+                result = torch.load(out / f"{lay.tag}.pt", weights_only=True)
                 reported |= result["failure"] is not None
                 on_result(result)
             if rc is not None:

@@ -23,7 +23,6 @@ def word_mix_sum(words: torch.Tensor, c1: int, c2: int, c3: int, c4: int) -> int
     return word_mix_sums([words], c1, c2, c3, c4)[0]
 
 
-
 @triton.jit
 def _segment_mix_sum_kernel(w_ptr, start_ptr, first_ptr, count_ptr, out_ptr, c1, c2, c3, c4, BLOCK: tl.constexpr):
     """Program p: `count[p]` words at `start[p]` of the batch buffer, indexed from `first[p]` within their tensor."""
