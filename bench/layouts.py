@@ -28,9 +28,11 @@ Findings (k3-tiny on CPU over gloo, invariant kernels, lr 1e-3, fp32 and bf16 ch
 11 layouts): the forward is bitwise and the KL exactly 0 at every step of every layout; but no two layouts hold equal
 weights after any update, with clipping on (--clip-grad 1: the grad norm is about 45, every step clips) or off
 (--clip-grad 1e9). They compute the same gradient up to rounding: the step-0 gradient drift against TP = EP = DP = 1
-is at most 1.2e-6 in fp32 (worst tensor 7.5e-6; DP alone 9e-8) and 2.3e-2 in bf16, where activations are rounded to
-bf16 between ops (worst tensor 5.9e-2, a KDA gate's dt_bias; DP alone 5e-8: it only adds fp32 partial weight
-gradients). Each size changes the gradients, each at its own place (first backward, clipping off, seen in which
+is at most 1.2e-6 in fp32 (worst tensor 7.5e-6; DP alone 9e-8 on one host, 1.1e-6 for its worst tensor on another)
+and 2.3e-2 in bf16, where activations are rounded to bf16 between ops (worst tensor 5.9e-2, a KDA gate's dt_bias; DP
+alone 5e-8). What DP does is checked in bits (`dp_split` in the report): at step 0 each DP = 2 rank's local gradients
+equal one process's gradients of its sequences alone, and the reduced gradients are exactly their sum, each scaled by
+1 / 2: DP only adds two partial sums where one process sums once. Each size changes the gradients, each at its own place (first backward, clipping off, seen in which
 gradients a one-size neighbour keeps):
 - TP: the forward never splits a reduction differently (row-parallel partials are whole segments of the invariant GEMM,
   added in its fixed pairwise order), but the backward does: the input gradient of a vocab- or column-split GEMM is a
@@ -99,6 +101,7 @@ from trainer.megatron.modules import MegatronK3Model  # noqa: E402
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel  # noqa: E402
 from trainer.megatron.sharding import check_divisible  # noqa: E402
 from trainer.megatron.train import build_model, train_step, wrap  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
 
 SIZES = (1, 2, 4, 8)  # TP and EP sizes tried
 DP_SIZES = (1, 2)
@@ -198,7 +201,16 @@ def run_layout(layout: Layout, cfg: ModelConfig, stored: dict[str, torch.Tensor]
                 trained.append(lp.detach())
                 return -lp.sum() * (par.dp / tokens)
 
-            loss, grad_norm = train_step(trainer, loss_fn)
+            if step == 0 and layout.tp == layout.ep == 1 and layout.dp <= 2:  # DP = 2 against its shares alone
+                if layout.dp == 1:
+                    result["dp_split"] = {"shares": [
+                        local_gradients(trainer, module, lambda m, p=part: share_loss(m, p, 2, tokens))
+                        for part in (seqs[: len(seqs) // 2], seqs[len(seqs) // 2 :])]}
+                    loss, grad_norm = train_step(trainer, loss_fn)
+                else:
+                    loss, grad_norm, result["dp_split"] = reduced_step(trainer, module, loss_fn, par.dp)
+            else:
+                loss, grad_norm = train_step(trainer, loss_fn)
             share = Share(par.dp_rank, first, [row[: len(s) - 1].cpu() for row, s in zip(trained[0], mine)], rollout,
                           loss)
             shares: list[Share] = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -224,6 +236,50 @@ def run_layout(layout: Layout, cfg: ModelConfig, stored: dict[str, torch.Tensor]
         return result
     finally:
         destroy_parallel(par)
+
+
+def share_loss(model: torch.nn.Module, seqs: list[list[int]], dp: int, tokens: int) -> torch.Tensor:
+    """A DP rank's loss on its sequences `seqs`: -(their token log-prob sum) * dp / (global tokens)."""
+    return -token_logprobs(model, PaddedBatch.from_sequences(seqs), TEMPERATURE).sum() * (dp / tokens)
+
+
+def _local(module: MegatronK3Model) -> dict[str, torch.Tensor]:
+    """Each official parameter's gradient in the DDP buffer (`main_grad`), copied."""
+    return {n: p.main_grad.detach().clone() for n, p in module.official_parameters().items()}
+
+
+def local_gradients(trainer: Any, module: MegatronK3Model, loss_fn: Callable[[Any], torch.Tensor]) -> dict[str, str]:
+    """The checksums of this process's gradients of `loss_fn` at the current weights (one backward into an emptied
+    DDP buffer, no reduction, no update); the buffer is emptied again after."""
+    trainer.model.zero_grad_buffer()
+    loss_fn(trainer.model).backward()
+    out = tensor_checksums(_local(module))
+    trainer.model.zero_grad_buffer()
+    return out
+
+
+def reduced_step(trainer: Any, module: MegatronK3Model, loss_fn: Callable[[Any], torch.Tensor],
+                 dp: int) -> tuple[float, float, dict[str, Any]]:
+    """`train_step` with one loss, its DP reduction checked in bits (collective): each rank's local gradients (their
+    checksums, by DP rank) and whether the reduced gradients equal, bit for bit, the ranks' local ones each scaled by
+    1 / dp (Megatron's pre-scaling, exact for dp a power of two) and added in fp32 (two ranks: one addition, in either
+    order the same bits)."""
+    trainer.model.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    loss = loss_fn(trainer.model)
+    loss.backward()
+    mine = _local(module)
+    every: list[dict[str, torch.Tensor]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(every, {n: t.cpu() for n, t in mine.items()})
+    finalize_model_grads([trainer.model])
+    reduced = {n: p.main_grad.detach().cpu() for n, p in module.official_parameters().items()}
+    expected = {n: every[0][n] * (1.0 / dp) + every[1][n] * (1.0 / dp) for n in reduced}
+    ok, grad_norm, _ = trainer.optimizer.step()
+    if not ok:
+        raise RuntimeError("Megatron optimizer step reported failure")
+    return float(loss.detach()), float(grad_norm), {
+        "shares": [tensor_checksums(g) for g in every[:dp]],
+        "reduced_is_scaled_sum": all(torch.equal(reduced[n], expected[n]) for n in reduced)}
 
 
 class Gradients:
@@ -446,7 +502,20 @@ def summary(results: list[dict[str, Any]], steps: int) -> dict[str, Any]:
                          "weight_classes": describe(weights, step, "weights"), "weight_rule": rule(weights),
                          "gradient_classes": describe(gradients, step, "gradients"), "gradient_rule": rule(gradients),
                          "neighbours": neighbours([r for c in weights for r in c], step)})
-    return {"layouts": rows, "steps": per_step}
+    return {"layouts": rows, "steps": per_step, "dp_split": dp_split(results)}
+
+
+def dp_split(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What DP = 2 does to the step-0 gradients, in bits (None unless both tp1-ep1-dp1 and tp1-ep1-dp2 ran): each DP
+    rank's local gradients equal one process's gradients of that rank's sequences alone, and the reduced ones are
+    their scaled sum."""
+    by_tag = {_tag(r): r.get("dp_split") for r in results}
+    one, two = by_tag.get("tp1-ep1-dp1"), by_tag.get("tp1-ep1-dp2")
+    if one is None or two is None:
+        return None
+    return {"tensors": len(two["shares"][0]), "shares_differ": two["shares"][0] != two["shares"][1],
+            "shares_equal_one_process": one["shares"] == two["shares"],
+            "reduced_is_scaled_sum": two["reduced_is_scaled_sum"]}
 
 
 def driver(args: argparse.Namespace) -> int:
@@ -514,6 +583,11 @@ def print_summary(report: dict[str, Any]) -> None:
               f"{r['gradient_drift']['relative']:>10.1e}  {norms}")
     print("(grad drift: ||g - g0|| / ||g0|| of the step-0 gradients against the first layout's)")
     print("(* = clipped)")
+    if report.get("dp_split"):
+        split = report["dp_split"]
+        print(f"DP = 2, step 0: each rank's local gradients equal one process's on its sequences alone: "
+              f"{split['shares_equal_one_process']}; the reduced gradients are their scaled sum, bit for bit: "
+              f"{split['reduced_is_scaled_sum']}")
     for s in report["steps"]:
         for what in ("weight", "gradient"):
             keys = s[f"{what}_rule"]
