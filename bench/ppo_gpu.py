@@ -2,7 +2,7 @@
 
 vLLM cannot run on this machine, so generation runs the code the rollout model class runs inside vLLM
 (`parity.model.K3Forward` on the same kernels, MLA latents in a shuffled paged pool read in place by the paged
-attention kernel (`rollout.paged_pool`), the chunked KDA state) with vLLM's schedule: chunked prefill of a batch of
+attention kernel (`rollout.generate.paged_pool`), the chunked KDA state) with vLLM's schedule: chunked prefill of a batch of
 prompts of different lengths, then batched decode, seeded Gumbel-max sampling at a temperature. The trainer is
 `trainer.megatron` (Megatron DDP + Adam, fp32 masters) on the same GPU, forward on the Triton kernels, backward
 through the torch invariant kernels' `autograd.Function`s (`parity.kernels.triton.autograd`).
@@ -36,8 +36,8 @@ from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
 from parity.kernels import get_kernels  # noqa: E402
 from parity.model import K3Forward, K3Weights, MLACache, new_cache  # noqa: E402
 from parity.weights import serving_weights  # noqa: E402
-from rollout.decode_graph import GraphedDecode  # noqa: E402
-from rollout.paged_pool import PagedLatentPool  # noqa: E402
+from rollout.generate.decode_graph import GraphedDecode  # noqa: E402
+from rollout.generate.paged_pool import PagedLatentPool  # noqa: E402
 from trainer.logprobs import PaddedBatch, token_logprobs  # noqa: E402
 from trainer.megatron.backend import MegatronBackend  # noqa: E402
 
@@ -83,7 +83,7 @@ def prefill(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_toke
 def generate(fwd: K3Forward, cfg: ModelConfig, prompts: list[list[int]], max_tokens: int, temperature: float,
              seed: int, device: torch.device | str = "cuda") -> Samples:
     """`prefill`, then batched decode on `device`, each step on CUDA one replay of a CUDA graph
-    (`rollout.decode_graph`), elsewhere one eager step; token i is sampled for every row at once by Gumbel-max, the
+    (`rollout.generate.decode_graph`), elsewhere one eager step; token i is sampled for every row at once by Gumbel-max, the
     noise drawn from a generator on `device` seeded by (seed, i)."""
     b = len(prompts)
     device = torch.device(device)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from lora.adapter import Adapter, pair_tensors
 from lora.init import peft_default_adapter, random_adapter
-from rollout.paged_pool import PagedLatentPool
+from rollout.generate.paged_pool import PagedLatentPool
 from parity.config import ModelConfig, TextConfig, load_model_config
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences

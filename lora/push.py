@@ -1,7 +1,7 @@
 """`zerokl lora push / list`: hot-swap PEFT adapters into running `zerokl serve --lora-root` servers.
 
 push, all-or-nothing over every server:
-1. ask each server what it serves (`GET /zerokl/v1/lora`, see `rollout.lora_server`); an unreachable server
+1. ask each server what it serves (`GET /zerokl/v1/lora`, see `rollout.server.lora`); an unreachable server
    stops the push before anything changes;
 2. validate the adapter against each served model (`lora.adapter.load_adapter`: safetensors only, target
    modules, shapes, finite values) and its `max_lora_rank`, and check it lies in the server's adapter directory;
@@ -25,7 +25,7 @@ from lora.adapter import load_adapter
 from lora.spec import AdapterError
 from parity.config import parse_model_config
 
-STATE_ROUTE = "/zerokl/v1/lora"  # rollout.lora_server serves these two routes
+STATE_ROUTE = "/zerokl/v1/lora"  # rollout.server.lora serves these two routes
 SWITCH_ROUTE = "/zerokl/v1/lora/switch"
 LOAD_ROUTE = "/v1/load_lora_adapter"  # vLLM's runtime LoRA routes
 UNLOAD_ROUTE = "/v1/unload_lora_adapter"

@@ -113,7 +113,7 @@ class KDACache:
     conv: torch.Tensor  # [B, W-1, 3P] activation dtype (q | k | v pre-conv projections)
     state: torch.Tensor  # [B, H, K, V] fp32 (float64 in gradient checks)
     # When a list: receives (conv, state) after every token of the next step, token by token (a speculative verify
-    # step, whose accepted length is known only after it: `rollout.caches`). The same bits as one pass.
+    # step, whose accepted length is known only after it: `rollout.vllm.caches`). The same bits as one pass.
     trail: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 

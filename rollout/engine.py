@@ -1,5 +1,5 @@
 """`RolloutEngine`: offline rollouts of an official K3 checkpoint through the real vLLM engine (`vllm.LLM`)
-with zerokl's model class (`rollout.vllm_model`), in parity mode by default.
+with zerokl's model class (`rollout.vllm.model`), in parity mode by default.
 
 What a caller gets, per sample: the prompt ids, the completion ids, the log-prob of every completion
 token under the distribution it was sampled from (fp32, `log_softmax(logits / T)`, truncated by top_k / top_p /
@@ -11,7 +11,7 @@ same weights, whatever vLLM does around them: batching, chunked prefill, prefix-
 LoRA: start with vLLM's `enable_lora=True, max_loras=N, max_lora_rank=R`; `load_adapter(name, path)` reads a
 PEFT adapter into the workers (validated by `lora.adapter` there) and returns the `LoRARequest` that selects it
 per prompt in `generate(lora=...)`. Base and adapter requests share batches; each keeps its bits
-(`rollout.lora_table`).
+(`rollout.vllm.lora_table`).
 
 Determinism: sample j of a prompt with seed s is drawn with vLLM's per-request generator seeded by
 `sample_seed(s, j)`, so it depends only on (weights, prompt, s, j), not on the rest of the batch.
@@ -34,10 +34,10 @@ import torch
 
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
-from rollout import records
+from rollout.vllm import records
 from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
                               sample_seed)
-from rollout.plugin import WEIGHT_BACKEND, hf_overrides
+from rollout.vllm.plugin import WEIGHT_BACKEND, hf_overrides
 from rollout.speculative import vllm_speculative_config
 from parity.sync.bundle import Message, SyncError, Transport, WeightBundle, verify
 from parity.sync.transports import SharedMemory
@@ -128,7 +128,7 @@ class RolloutEngine:
         distribution (vLLM's processed log-probs), which the trainer recomputes with `Sampling`.
         stop_token_ids: tokens that end a sample besides end-of-sequence (kept as its last token, like it).
         lora: an adapter from `load_adapter` for every prompt, or one per prompt (None: the base model).
-        record: fill each sample's `raw_logprobs` and `routing` from inside the worker (`rollout.records`: raw log-probs
+        record: fill each sample's `raw_logprobs` and `routing` from inside the worker (`rollout.vllm.records`: raw log-probs
         by vLLM's own op; experts at each position the engine computed, `parity.routing.NOT_COMPUTED` at positions a
         prefix-cache hit served).
         """

@@ -1,4 +1,4 @@
-"""What a rollout is, whichever engine made it (`rollout.engine` in this process, `rollout.remote` over HTTP): the
+"""What a rollout is, whichever engine made it (`rollout.engine` in this process, `rollout.client.remote` over HTTP): the
 `Sample` record, the per-sample seeds that make a sample depend only on (weights, prompt, seed), and the checks on
 sampling settings. Light to import: no vLLM.
 """

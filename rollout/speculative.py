@@ -1,8 +1,8 @@
 """The speculative configs zerokl's rollout engine runs under parity, checked before any engine starts.
 
-Drafts come from the checkpoint's MTP layers (`mtp`, `rollout.vllm_mtp`) or a DSpark draft checkpoint (`dspark` with
-its directory as `model`, `rollout.vllm_dspark`); the target verifies them on the parity kernels and keeps the KDA state
-of exactly the accepted tokens (`rollout.caches.KDAStateLayer`), so every emitted token's log-prob is the one plain
+Drafts come from the checkpoint's MTP layers (`mtp`, `rollout.vllm.mtp`) or a DSpark draft checkpoint (`dspark` with
+its directory as `model`, `rollout.vllm.dspark`); the target verifies them on the parity kernels and keeps the KDA state
+of exactly the accepted tokens (`rollout.vllm.caches.KDAStateLayer`), so every emitted token's log-prob is the one plain
 decoding gives. The dict is vLLM's `speculative_config`.
 """
 

@@ -21,7 +21,7 @@ from parity.kernels.dsa import top_positions
 from parity.model import K3Forward, K3Weights, MLACache, decode_logprobs, new_cache, score_sequences
 from parity.reference.dsa import index_keys, index_scores, select
 from parity.weights import is_indexer
-from rollout.paged_pool import PagedLatentPool
+from rollout.generate.paged_pool import PagedLatentPool
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "k3.1-tiny.yaml"

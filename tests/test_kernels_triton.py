@@ -803,7 +803,7 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
     pass equal, bit for bit, the same sequences generated token by token (prefill split, then decode) through a paged
     MLA cache and the chunked KDA state; in fp32 they agree with the CPU invariant forward within fp32 round-off."""
     from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
-    from rollout.paged_pool import PagedLatentPool
+    from rollout.generate.paged_pool import PagedLatentPool
 
     cfg, official = _k3_tiny_model(config)
     g = torch.Generator().manual_seed(3)
@@ -832,13 +832,13 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4", "k3.1-tiny"])
 def test_gpu_graphed_decode_equals_eager(gpu: Platform, config: str) -> None:
-    """Batched decode captured in a CUDA graph (`rollout.decode_graph`) gives the eager step's logits bit for bit,
+    """Batched decode captured in a CUDA graph (`rollout.generate.decode_graph`) gives the eager step's logits bit for bit,
     step after step, over a paged latent pool and the chunked KDA state (rows of different lengths; decode crosses a
     64-token KDA chunk boundary), in fp32 and in K3's numerics (bf16, MXFP4 experts, FP8 latents; k3.1-tiny: with
     the DSA indexer, contexts past its top-k)."""
     from parity.model import K3Forward, K3Weights, MLACache, new_cache
-    from rollout.decode_graph import GraphedDecode
-    from rollout.paged_pool import PagedLatentPool
+    from rollout.generate.decode_graph import GraphedDecode
+    from rollout.generate.paged_pool import PagedLatentPool
 
     cfg, official = _k3_tiny_model(config)
     g = torch.Generator().manual_seed(4)

@@ -21,7 +21,7 @@ from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs
 from parity.weights import text_specs
 from rollout.engine import sample_seed
-from rollout.plugin import TEXT_MODEL_TYPE, hf_overrides
+from rollout.vllm.plugin import TEXT_MODEL_TYPE, hf_overrides
 from trainer.megatron.io import export_official, load_official
 from trainer.logprobs import PaddedBatch, token_logprobs
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel

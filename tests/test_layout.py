@@ -3,6 +3,10 @@
 Floors, bottom up: `parity` (model math, kernels, checkpoint I/O, weight sync) < `lora` < `rollout`,
 `trainer` (the two engines, which never import each other) < `zerokl` (command line, PPO, parity check,
 planner). Imports inside functions count: a lazy import is still an arrow.
+
+Inside `rollout`, rooms by job, bottom up: the records every room shares (`sampling`, `speculative`) < `generate` (no
+vLLM) < `vllm` (what vLLM loads) < `server` (`zerokl serve`) < `client` (talking to servers) < `engine` (the in-process
+engine over `vllm.LLM`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,21 @@ def test_every_arrow_points_down() -> None:
                 if FLOOR[b.split(".")[0]] > FLOOR[a.split(".")[0]]
                 or ({a.split(".")[0], b.split(".")[0]} == {"rollout", "trainer"}))
     assert not up, "imports that point up or across the engines:\n" + "\n".join(up)
+
+
+ROLLOUT_ROOM = {"sampling": 0, "speculative": 0, "generate": 1, "vllm": 2, "server": 3, "client": 4, "engine": 5}
+
+
+def test_rollout_rooms_point_down() -> None:
+    rooms = {f.stem if f.parent.name == "rollout" else f.parent.name for f in (ROOT / "rollout").rglob("*.py")}
+    assert rooms - {"__init__"} == ROLLOUT_ROOM.keys(), "a rollout module outside the rooms: update ROLLOUT_ROOM"
+
+    def room(module: str) -> str:
+        return module.split(".")[1]
+
+    up = sorted(f"{a} -> {b}" for a, bs in import_graph().items() if a.startswith("rollout.") for b in bs
+                if b.startswith("rollout.") and ROLLOUT_ROOM[room(b)] > ROLLOUT_ROOM[room(a)])
+    assert not up, "rollout imports that point up a room:\n" + "\n".join(up)
 
 
 def test_no_import_cycles() -> None:

@@ -19,7 +19,7 @@ from parity.config import ModelConfig, load_model_config
 from parity.kernels import FAST, INVARIANT, Kernels
 from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
 from parity.io.checkpoint import random_weights
-from rollout.paged_pool import PagedLatentPool
+from rollout.generate.paged_pool import PagedLatentPool
 
 
 def tiny(dtype: str) -> ModelConfig:

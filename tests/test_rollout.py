@@ -30,7 +30,7 @@ from parity.model import K3Forward, K3Weights, record_routing, score_sequences
 from parity.routing import NOT_COMPUTED, per_sequence, routing_agreement
 from parity.weights import text_specs
 from rollout.engine import RolloutEngine, RolloutError, Sample, sample_seed
-from rollout import serve
+from rollout.server import serve
 from parity.io.checkpoint import load_checkpoint
 
 from helpers import K3_ENGINE_ARGS, without_chat_template
@@ -275,7 +275,7 @@ def test_text_prompts(engine: RolloutEngine, weights: K3Weights) -> None:
 
 def test_load_weights_takes_official_names_and_refuses_leftovers(checkpoint: Path) -> None:
     """The model class outside an engine: official names in, fp32 parameters out, leftovers refused."""
-    from rollout.vllm_model import ModelSetupError, ZeroKLK3ForCausalLM
+    from rollout.vllm.model import ModelSetupError, ZeroKLK3ForCausalLM
 
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(dtype=torch.float32, model=str(checkpoint), hf_config=SimpleNamespace()),

@@ -26,7 +26,7 @@ from lora.spec import AdapterError
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from rollout.engine import RolloutEngine, RolloutError, sample_seed
-from rollout.lora_server import route_of
+from rollout.server.lora import route_of
 from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 from parity.sync.bundle import SyncError, WeightBundle
@@ -242,7 +242,7 @@ def test_push_replace_and_refuse_on_a_live_server(server: str, engine: RolloutEn
 
 
 def test_every_route_of_the_server_is_classified_and_the_others_refused(server: str, lora_root: Path) -> None:
-    """vLLM's own route list (/openapi.json) against `rollout.lora_server`'s table: a route a later vLLM adds fails
+    """vLLM's own route list (/openapi.json) against `rollout.server.lora`'s table: a route a later vLLM adds fails
     here (and is refused by the server meanwhile); the SageMaker adapter routes cannot load from outside the
     adapter directory, unload, or select an adapter; an adapter a name serves cannot be unloaded under it."""
     status, body = _request("GET", f"{server}/openapi.json")

@@ -1,4 +1,4 @@
-"""Rollouts and weight sync over live `zerokl serve` servers (`rollout.remote`, `rollout.server_admin`).
+"""Rollouts and weight sync over live `zerokl serve` servers (`rollout.client.remote`, `rollout.server.admin`).
 
 `zerokl ppo --num-rollout-servers 1` with LoRA (k3-tiny): the base synced once, every adapter version pushed into
 the server the command started and sampled from, every log-prob bitwise the trainer's, the server stopped at the end
@@ -28,9 +28,9 @@ from parity.io.checkpoint import load_checkpoint
 from parity.routing import NOT_COMPUTED
 from parity.sync.bundle import SyncError, WeightBundle, weights_checksum
 from parity.weights import master_weights, serving_weights
-from rollout.remote import RemoteRollout
+from rollout.client.remote import RemoteRollout
 from rollout.sampling import ImagePrompt, sample_seed
-from rollout.server_admin import VERSION_HEADER
+from rollout.server.admin import VERSION_HEADER
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,7 @@ under bitwise parity.
 
 - The KDA trail (`parity.model.KDACache.trail`): in a verify chunk [t0, d1, d2, d3] the conv window and state after
   the first a tokens are the state of decoding those a tokens alone, bit for bit, for every a (the state the rollout
-  resumes from after a rejection, `rollout.caches.KDAStateLayer`), and the chunk's hidden states are plain decoding's.
+  resumes from after a rejection, `rollout.vllm.caches.KDAStateLayer`), and the chunk's hidden states are plain decoding's.
 - `zerokl parity check --speculative` (MTP, 3 tokens, probabilistic drafts, batched and alone): every log-prob is the
   trainer's, bit for bit, and drafts were both accepted and rejected; on the fast kernels the log-probs differ. The
   same with a DSpark draft (`{"method": "dspark", "model": DRAFT, ...}`).
@@ -79,7 +79,7 @@ def test_mtp_drafts_keep_every_logprob_bitwise(k3_tiny_mxfp4: Path, tmp_path: Pa
 def test_dspark_drafts_keep_every_logprob_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A DSpark draft checkpoint (configs/k3-tiny-dspark.yaml, reading target layers 1, 4, 7) drafting 3 tokens on
-    vLLM's V1 runner (`rollout.vllm_dspark`): every log-prob the trainer's, batched and alone, with acceptances and
+    vLLM's V1 runner (`rollout.vllm.dspark`): every log-prob the trainer's, batched and alone, with acceptances and
     rejections; on the fast kernels the log-probs differ."""
     from parity.io.checkpoint import init_checkpoint
 

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from parity.config import ConfigError
-from rollout import serve
+from rollout.server import serve
 from lora import cli as lora_cli
 from lora.spec import AdapterError
 from parity.compare import DumpError

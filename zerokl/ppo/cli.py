@@ -13,7 +13,7 @@ starting checkpoint is created first); under any torchrun-style launcher the com
 owns the rollout engine and writes the metrics, wandb and console output; checkpoints are written collectively.
 
 `--rollout-servers URL,...` rolls out on running `zerokl serve` servers and syncs weights into them
-(`rollout.remote`); `--num-rollout-servers N` starts N of them on this machine first (`rollout.local_servers`, logs
+(`rollout.client.remote`); `--num-rollout-servers N` starts N of them on this machine first (`rollout.client.local_servers`, logs
 in `OUT/servers/`) and stops them when the run ends, by error, Ctrl-C or SIGTERM included.
 """
 
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
     """Start `num_rollout_servers` servers on the run's checkpoint, train against them, stop them however the run
     ends (a SIGTERM ends the run as Ctrl-C does)."""
-    from rollout.local_servers import local_servers
+    from rollout.client.local_servers import local_servers
     from zerokl.ppo.loop import base_checkpoint, engine_args_for, server_lora
 
     _check_nproc(cfg, args.nproc_per_node)

@@ -19,7 +19,7 @@ advantages need every old value first, then takes the no-grad pass).
 
 The check compares two log-probs per token and the routing: the ones under the distribution sampled from (vLLM's
 processed log-probs, which the engine returns) and the raw ones (temperature 1, no truncation), which the engine's
-worker records with vLLM's raw op (`rollout.records`), each against the trainer's from the same forward; and, on MoE
+worker records with vLLM's raw op (`rollout.vllm.records`), each against the trainer's from the same forward; and, on MoE
 models, the experts the trainer's forward chose at every position against the engine's (`routing_agreement`,
 `parity.routing`). The loss reads the kind `logprobs_mode` names (old, new and reference log-probs alike).
 
@@ -116,7 +116,7 @@ from zerokl.tasks import TASKS, RewardError, make_task
 from zerokl.tasks.chat import ChatDialogue, is_chat_task
 
 if TYPE_CHECKING:
-    from rollout.serve import LoraServing
+    from rollout.server.serve import LoraServing
 
 METRIC_KEYS = ("step", "kl", "max_abs_logprob_diff", "bitwise_equal_frac", "parity_checked_frac", "reward_mean",
                "response_length_mean",
@@ -199,7 +199,7 @@ class PPORun:
     def __init__(self, cfg: PPOConfig, out: Path, resume: Path | None = None,
                  log: Callable[[str], None] = print, engine_args: dict[str, Any] | None = None):
         from rollout.engine import RolloutEngine, lora_engine_args
-        from rollout.remote import RemoteRollout
+        from rollout.client.remote import RemoteRollout
         from tokenizers import Tokenizer
         from trainer.backend import build_backend
 
@@ -915,7 +915,7 @@ def check_sharding(cfg: PPOConfig, ranks: int) -> bool:
 
 
 def sync_transport(cfg: PPOConfig, out: Path) -> Transport | None:
-    """The transport `sync` names (None: torch_distributed, which `rollout.remote` sets up per sync)."""
+    """The transport `sync` names (None: torch_distributed, which `rollout.client.remote` sets up per sync)."""
     return {"disk": lambda: Disk(out / "sync"), "shared_memory": SharedMemory,
             "torch_distributed": lambda: None}[cfg.sync]()
 
@@ -924,7 +924,7 @@ def sync_transport(cfg: PPOConfig, out: Path) -> Transport | None:
 class RemoteSync:
     """`WeightSync`'s call for rollout servers: `RemoteRollout.sync` with `transport`, then the hooks."""
 
-    remote: Any  # rollout.remote.RemoteRollout
+    remote: Any  # rollout.client.remote.RemoteRollout
     transport: Transport | None
     after_sync: list[Callable[[WeightBundle, SyncResult], None]]
 
@@ -980,7 +980,7 @@ def server_lora(cfg: PPOConfig, checkpoint: Path, resume: str | None, root: Path
     """How the rollout servers a LoRA run starts serve its adapter (None for a full-weight run): from `root`, two
     adapters at a time (a push loads the new version before it unloads the old), the run's adapter rank."""
     from rollout.engine import lora_engine_args
-    from rollout.serve import LoraServing
+    from rollout.server.serve import LoraServing
 
     if not cfg.lora:
         return None

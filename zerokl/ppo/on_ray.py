@@ -6,7 +6,7 @@ GPUs); `PACK` puts them on as few nodes as fit. Each rollout server is a `Rollou
 on its node (all interfaces, a free port) and stops it with itself; each trainer rank is a `TrainerActor` that runs
 the ordinary `zerokl ppo` loop against the servers' URLs (`rollout_servers`), ranks meeting over torch.distributed at
 rank 0's node. Rollouts, the zero-KL check and the weight sync (`sync: torch_distributed` reaches servers on any node)
-are those of `rollout.remote`. Every node must see the checkpoint and the run directory at the same paths (a shared
+are those of `rollout.client.remote`. Every node must see the checkpoint and the run directory at the same paths (a shared
 filesystem). The servers, the actors and the placement group are removed however the run ends.
 """
 
@@ -22,7 +22,7 @@ from parity.config import ConfigError
 from zerokl.ppo.config import PPOConfig
 
 if TYPE_CHECKING:
-    from rollout.serve import LoraServing
+    from rollout.server.serve import LoraServing
 
 READY_TIMEOUT_S = 300.0  # for the placement group's resources
 
@@ -34,7 +34,7 @@ class RolloutServerActor:
                  lora: LoraServing | None, vision_synced: bool):
         import ray
 
-        from rollout.local_servers import LocalServers
+        from rollout.client.local_servers import LocalServers
 
         self.servers = LocalServers(checkpoint, 1, Path(log_dir), kernels, engine_args, host="0.0.0.0", lora=lora,
                                     vision_synced=vision_synced)

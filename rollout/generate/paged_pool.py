@@ -4,7 +4,7 @@
 out as vLLM's paged KV cache is (`[num_blocks, block_size, L]`, a block table per request). Each request owns
 `per_request` blocks drawn in shuffled order and unwritten slots hold NaN, so a kernel that read past a request's
 length, or in another block order, would show it. `attend` reads the blocks through the block table with the kernel
-set's paged attention, as `rollout.caches.PagedLatentCache` does inside vLLM; with the DSA indexer each token's entry
+set's paged attention, as `rollout.vllm.caches.PagedLatentCache` does inside vLLM; with the DSA indexer each token's entry
 holds its index key after its latent, in the layout vLLM's cache holds it (`pack_index`), and `sparse_attend` reads
 each token's selected latents in place.
 """

@@ -1,5 +1,5 @@
-"""What `zerokl serve` adds to vLLM's worker class (`--worker-extension-cls rollout.server_worker.ServerWorker`):
-methods its server routes (`rollout.server_admin`) reach through `collective_rpc`.
+"""What `zerokl serve` adds to vLLM's worker class (`--worker-extension-cls rollout.server.worker.ServerWorker`):
+methods its server routes (`rollout.server.admin`) reach through `collective_rpc`.
 
 - `zerokl_weights`: the version of the weights the worker computes with and their checksum, computed from the live
   parameters (`parity.sync.bundle.weights_checksum` of each parameter's `checksum`): the same value the trainer computes
@@ -7,7 +7,7 @@ methods its server routes (`rollout.server_admin`) reach through `collective_rpc
 - `zerokl_abort_weight_update`: drop a staged update and end the update session without touching the weights (another
   server of the same sync rejected its copy: every server stays on its version).
 - `zerokl_records_start` / `zerokl_records_take`: the raw log-probs and expert choices of requests whose id carries
-  `RECORD_MARK` (`rollout.records`), recorded from the first call on, handed out (and forgotten) per request.
+  `RECORD_MARK` (`rollout.vllm.records`), recorded from the first call on, handed out (and forgotten) per request.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from parity.sync.bundle import checksum, weights_checksum
-from rollout import records
-from rollout.server_admin import RECORD_MARK
+from rollout.vllm import records
+from rollout.server.admin import RECORD_MARK
 
 
 def record_key(request_id: str) -> str | None:
@@ -46,7 +46,7 @@ class ServerWorker:
 
     def zerokl_records_take(self, request_ids: list[str]) -> dict[str, dict[str, list]]:
         """{client id: {"raw": [...], "routing": [...]}} for each asked id that was recorded, as JSON lists (a position
-        with no raw log-prob, NaN in `rollout.records`, is null)."""
+        with no raw log-prob, NaN in `rollout.vllm.records`, is null)."""
         held = self.model_runner.get_model().records
         if held is None:
             return {}

@@ -12,7 +12,7 @@ the trainer computes for it (`trainer.logprobs.PaddedBatch.images`).
 
 Where the tower's tensors live follows the trainer: frozen (the default), they are held outside the module's
 parameters, so weight syncs (which carry the parameters) neither send nor expect them; served `zerokl_vision_synced`
-(`rollout.plugin.hf_overrides(vision_synced=True)`, a run that trains the tower), they are parameters under their
+(`rollout.vllm.plugin.hf_overrides(vision_synced=True)`, a run that trains the tower), they are parameters under their
 official names in the compute dtype, and every full sync carries them with the text weights (the tower reads the
 parameters themselves, so a sync rewrites it in place).
 """
@@ -28,8 +28,8 @@ from parity.image import IMAGE_PLACEHOLDER, ImageProcessing
 from parity.io.vision import vision_specs
 from parity.vision import ImagePatches, TowerShape, VisionTower
 from parity.weights import parameter_tree
-from rollout.plugin import VISION_SYNCED_KEY
-from rollout.vllm_model import ModelSetupError, ZeroKLK3ForCausalLM, checkpoint_config
+from rollout.vllm.plugin import VISION_SYNCED_KEY
+from rollout.vllm.model import ModelSetupError, ZeroKLK3ForCausalLM, checkpoint_config
 from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.models.kimi_k3.common.mm_preprocess import (KimiK3DummyInputsBuilder, KimiK3MultiModalProcessor,

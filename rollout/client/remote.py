@@ -49,7 +49,7 @@ from parity.sync.group import StandaloneGroup, address_towards, free_port
 from parity.sync.transports import SyncResult, TorchDistributed
 from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
                               sample_seed)
-from rollout.server_admin import (ABORT_ROUTE, GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE,
+from rollout.server.admin import (ABORT_ROUTE, GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE,
                                   VERSION_HEADER, WEIGHTS_ROUTE, served_version)
 
 

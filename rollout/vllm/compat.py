@@ -31,7 +31,7 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
    (`vllm/v1/spec_decode/llm_base_proposer.py:1319-1414`) shares the target's embedding and lm_head through the
    attributes of vLLM's own model classes (`target.model.embed_tokens`, `draft.model`, `draft.config`), which
    zerokl's classes do not have (they hold the official names). For a draft with `zerokl_share_target`
-   (`rollout.vllm_mtp`) the patch loads it as vLLM does (the draft's attention layers are those it added), as a
+   (`rollout.vllm.mtp`) the patch loads it as vLLM does (the draft's attention layers are those it added), as a
    text-only draft, and lets the draft bind the target's tensors itself.
 6. Seeded draft sampling. With `draft_sample_method: probabilistic` the proposer samples every draft token with
    exponential noise from the global generator (`compute_probs_and_sample_next_token`, same file, 1822-1860, whose
@@ -57,12 +57,12 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
 10. DSpark on the V1 runner. `GPUModelRunner.__init__` gives a `dspark` config an `EagleProposer`
    (`vllm/v1/worker/gpu_model_runner.py:644`, `use_eagle()` covers dspark), which has no DSpark step (vLLM runs
    DSpark in its V2 runner only). When that proposer is loaded for zerokl's target (5.'s patch, which runs after
-   this module is applied, unlike the runner's `__init__`), it becomes `rollout.vllm_dspark.ZeroKLDSparkProposer`
+   this module is applied, unlike the runner's `__init__`), it becomes `rollout.vllm.dspark.ZeroKLDSparkProposer`
    (a subclass: the same state, DSpark's load and draft step); the runner's next call,
    `_setup_eagle3_aux_hidden_state_outputs` (`cpu_model_runner.py:78`), first turns on the target's aux hidden-state
    outputs for that drafter (the streams the draft reads), as `__init__` does for EAGLE-3 (`:646-657`), then sets
    the target's layers as vLLM does. (The main process's config check that refuses dspark on V1 is relaxed
-   for zerokl's target by `rollout.plugin`.)
+   for zerokl's target by `rollout.vllm.plugin`.)
 """
 
 from __future__ import annotations
@@ -153,19 +153,19 @@ def _zerokl_draft_loading(original: Any) -> Any:
     vLLM loads it."""
 
     def load_model(self: Any, target_model: Any) -> None:
-        from rollout.plugin import serves_zerokl
+        from rollout.vllm.plugin import serves_zerokl
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
         if not serves_zerokl(self.vllm_config.model_config.hf_config):
             return original(self, target_model)
         if self.speculative_config.method == "dspark":  # see 10. above
-            from rollout.vllm_dspark import ZeroKLDSparkProposer
+            from rollout.vllm.dspark import ZeroKLDSparkProposer
 
             self.__class__ = ZeroKLDSparkProposer
             return self.load_model(target_model)
         before = set(get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase))
-        model = self._get_model()  # rollout.vllm_mtp.ZeroKLK3MTP for zerokl's target
+        model = self._get_model()  # rollout.vllm.mtp.ZeroKLK3MTP for zerokl's target
         self.model = model
         layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase)
         self._draft_attn_layer_names = {name for name in set(layers) - before

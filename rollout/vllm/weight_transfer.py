@@ -8,7 +8,7 @@ segment on this host), `disk` (the message names a directory the trainer wrote o
 broadcast from the trainer over the group that `init_weight_transfer_engine` set up (`init_info`: `master_address`,
 `master_port`, `rank_offset`, `world_size`, `backend` gloo or nccl; each worker joins as `rank_offset` + its rank
 across vLLM's data-parallel replicas, the trainer is rank 0), which is how a trainer reaches servers it does not own
-(`rollout.remote`).
+(`rollout.client.remote`).
 
 All-or-nothing: `update_weights` verifies the whole bundle (every text weight present with the model's shape and
 dtype, every checksum matching the bytes that arrived, finite values, a version newer than the worker's) and

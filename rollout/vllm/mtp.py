@@ -3,13 +3,13 @@
 vLLM's speculative config maps a kimi_k3 checkpoint with `--speculative-config '{"method": "mtp", ...}'` onto the
 architecture `KimiK3MTPModel` and drives it with its MTP proposer (`vllm/v1/spec_decode/llm_base_proposer.py`): a
 first pass over the step's tokens with the target's hidden states, then one pass per further draft token.
-`KimiK3MTPModel` (registered by `rollout.plugin`) builds `ZeroKLK3MTP` when the target is zerokl's K3 and vLLM's own
+`KimiK3MTPModel` (registered by `rollout.vllm.plugin`) builds `ZeroKLK3MTP` when the target is zerokl's K3 and vLLM's own
 `KimiK3MTP` otherwise, so a vLLM serving its own K3 classes is untouched.
 
 `ZeroKLK3MTP` holds the checkpoint's MTP tensors (`parity.weights.mtp_specs`) under their official names, keeps its
 latents in vLLM's paged cache (one `LatentCacheLayer` per draft layer, in the target's latent cache group) and
 computes with `parity.model.K3Forward.mtp_hidden` on the target's kernel set, reading the target's embedding and
-lm_head (bound by `zerokl_share_target`, which `rollout.vllm_compat` calls where vLLM's proposer would share them).
+lm_head (bound by `zerokl_share_target`, which `rollout.vllm.compat` calls where vLLM's proposer would share them).
 The draft never touches what the target computes: it only proposes tokens, which the target verifies.
 """
 
@@ -26,9 +26,9 @@ from parity.model import K3Forward, K3Weights
 from parity.quant import fp8
 from parity.io.checkpoint import all_specs
 from parity.weights import mtp_layers, mtp_specs, parameter_tree, serving_dtype, stored_mtp_specs, text_names
-from rollout.caches import LatentCacheLayer, StepGroup
-from rollout.plugin import serves_zerokl
-from rollout.vllm_model import ModelSetupError, _kernels_name, checkpoint_config, compute_tensors, load_official
+from rollout.vllm.caches import LatentCacheLayer, StepGroup
+from rollout.vllm.plugin import serves_zerokl
+from rollout.vllm.model import ModelSetupError, _kernels_name, checkpoint_config, compute_tensors, load_official
 from vllm.config import VllmConfig
 from vllm.forward_context import get_forward_context
 
@@ -99,7 +99,7 @@ class ZeroKLK3MTP(nn.Module):
         return self.fwd.mtp_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's MTP tensors into the parameters (`rollout.vllm_model.load_official`); every other tensor
+        """The checkpoint's MTP tensors into the parameters (`rollout.vllm.model.load_official`); every other tensor
         is the target's."""
         return load_official(dict(self.named_parameters()), weights, self.skipped_names, "K3 MTP draft")
 

@@ -15,7 +15,7 @@ from dataclasses import fields, is_dataclass
 import torch
 
 from parity.model import K3Forward, KDACache, MLACache
-from rollout.paged_pool import PagedLatentPool
+from rollout.generate.paged_pool import PagedLatentPool
 
 
 def _state_tensors(caches: list) -> list[torch.Tensor]:

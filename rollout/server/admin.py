@@ -1,5 +1,5 @@
 """The rollout-server side of weight sync and versioned generation: an HTTP middleware for vLLM's OpenAI server
-(`zerokl serve` always installs it, `--middleware rollout.server_admin.sync_admin`).
+(`zerokl serve` always installs it, `--middleware rollout.server.admin.sync_admin`).
 
 `zerokl serve` starts vLLM in its development-server mode, which mounts vLLM's RL routes (`/pause`, `/resume`,
 `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`, ...) and its
@@ -14,7 +14,7 @@ scale-out token-in/token-out route (`/inference/v1/generate`). This middleware:
 - refuses, with HTTP 409, a generation request whose `X-ZeroKL-Weight-Version` header names a version the server
   does not hold (a request is never silently served by other weights than the ones its client expects);
 - adds `GET /zerokl/weights` (`{"version": N, "checksum": C, "vision_synced": B}`, from the live parameters:
-  `rollout.server_worker`; B: the vision tower is among them, `zerokl serve --sync-vision-tower`),
+  `rollout.server.worker`; B: the vision tower is among them, `zerokl serve --sync-vision-tower`),
   `POST /zerokl/abort_weight_update`, `POST /zerokl/records/start` and `POST /zerokl/records {"request_ids": [...]}`
   (the raw log-probs and expert choices of recorded requests).
 """
@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 VERSION_HEADER = "X-ZeroKL-Weight-Version"
-RECORD_MARK = "zerokl-rec-"  # request ids the servers record (`rollout.server_worker`), from here on
+RECORD_MARK = "zerokl-rec-"  # request ids the servers record (`rollout.server.worker`), from here on
 WEIGHTS_ROUTE = "/zerokl/weights"
 ABORT_ROUTE = "/zerokl/abort_weight_update"
 RECORDS_START_ROUTE = "/zerokl/records/start"
@@ -106,7 +106,7 @@ async def _records(request: Request) -> Response:
 
 
 async def sync_admin(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """The middleware (`--middleware rollout.server_admin.sync_admin`)."""
+    """The middleware (`--middleware rollout.server.admin.sync_admin`)."""
     path = request.url.path.rstrip("/") or "/"
     engine = request.app.state.engine_client
     if path in VERSIONED_ROUTES and VERSION_HEADER.lower() in request.headers and authorized(request):

@@ -10,7 +10,7 @@
   request, resolved through vLLM's name table, pass; the two runtime LoRA routes pass the checks above; the
   SageMaker routes (`/adapters` loads from any path and unloads, `/invocations` selects an adapter by header) and
   any route this table does not know (one a later vLLM adds) are refused with HTTP 404; the weight-sync routes pass
-  to `rollout.server_admin`'s checks (its middleware is outside this one: it sees every request first and refuses
+  to `rollout.server.admin`'s checks (its middleware is outside this one: it sees every request first and refuses
   vLLM's other development routes);
 - `GET /zerokl/v1/lora`: what a client needs to validate an adapter before sending it (the served
   checkpoint's config.json, `max_lora_rank`, `max_loras`, the allowed directory) and what the server holds
@@ -35,7 +35,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rollout import server_admin
+from rollout.server import admin
 from lora.push import LOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE, UNLOAD_ROUTE, VERSION_SEP
 
 LORA_ROOT_ENV = "ZEROKL_LORA_ROOT"
@@ -117,7 +117,7 @@ PASS_ROUTES = (  # no adapter, or one named as the request's `model` (vLLM's nam
     "/v1/chat/completions/derender", "/inference/v1/abort_requests",
 )
 CHECKED_ROUTES = (LOAD_ROUTE, UNLOAD_ROUTE, STATE_ROUTE, SWITCH_ROUTE)  # this middleware's checks
-SYNC_ROUTES = (*server_admin.SYNC_ROUTES, *server_admin.ZEROKL_ROUTES, server_admin.GENERATE_ROUTE)  # its checks
+SYNC_ROUTES = (*admin.SYNC_ROUTES, *admin.ZEROKL_ROUTES, admin.GENERATE_ROUTE)  # its checks
 REFUSED_ROUTES = (  # load from any path, unload or select an adapter past the checks, or change the engine
     "/adapters", "/adapters/{x}", "/invocations", "/scale_elastic_ep", "/is_scaling_elastic_ep",
 )
@@ -125,8 +125,8 @@ REFUSED_ROUTES = (  # load from any path, unload or select an adapter past the c
 
 def route_of(path: str) -> str | None:
     """The table entry (`PASS_ROUTES`, `SYNC_ROUTES`, `CHECKED_ROUTES`, `REFUSED_ROUTES`) that `path` is, or None; vLLM's
-    development routes but the sync ones are refused (by `rollout.server_admin`, before this middleware sees them)."""
-    if path in server_admin.dev_paths() and path not in SYNC_ROUTES:
+    development routes but the sync ones are refused (by `rollout.server.admin`, before this middleware sees them)."""
+    if path in admin.dev_paths() and path not in SYNC_ROUTES:
         return path
     parts = path.rstrip("/").split("/") if path != "/" else [""]
     for route in (*PASS_ROUTES, *SYNC_ROUTES, *CHECKED_ROUTES, *REFUSED_ROUTES):
@@ -145,10 +145,10 @@ async def _json_body(request: Request) -> dict | None:
 
 
 async def lora_admin(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """The middleware (`--middleware rollout.lora_server.lora_admin`)."""
+    """The middleware (`--middleware rollout.server.lora.lora_admin`)."""
     path = request.url.path
     route = route_of(path)
-    if route is None or route in REFUSED_ROUTES or route in server_admin.dev_paths() and route not in SYNC_ROUTES:
+    if route is None or route in REFUSED_ROUTES or route in admin.dev_paths() and route not in SYNC_ROUTES:
         why = "it can load, unload or select an adapter past --lora-root" if route else "zerokl serve does not know it"
         return _error(f"no route {request.method} {path} on this server ({why}); adapters load through "
                       f"{LOAD_ROUTE} from inside the adapter directory", HTTPStatus.NOT_FOUND)
@@ -169,7 +169,7 @@ async def lora_admin(request: Request, call_next: Callable[[Request], Awaitable[
                               "switch those names to another version first (zerokl lora push does)",
                               HTTPStatus.CONFLICT)
         return await call_next(request)
-    if not server_admin.authorized(request):
+    if not admin.authorized(request):
         return _error("missing or wrong API key", HTTPStatus.UNAUTHORIZED)
     if path == STATE_ROUTE and request.method == "GET":
         return JSONResponse(server_state(request, lora_root()))

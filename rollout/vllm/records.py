@@ -7,7 +7,7 @@ exists only in the GPU runner of its next engine). So `start` (run in the worker
 the model a `WorkerRecords`:
 
 - each forward step adds its tokens' expert ids (`parity.routing`) under the request ids of the runner's batch, whose
-  order is the step's token order (`rollout.backends.StepLayout`);
+  order is the step's token order (`rollout.vllm.backends.StepLayout`);
 - hooks on vLLM's sampler take the raw log-probs of the step's logits before any processing, with vLLM's own op
   (`Sampler.compute_logprobs`, what `logprobs_mode="raw_logprobs"` returns), and keep each request's sampled token's,
   under the position that token takes (a discarded sample of a partial prefill falls inside the prompt); with
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from parity.routing import NOT_COMPUTED
-from rollout.backends import StepLayout
+from rollout.vllm.backends import StepLayout
 
 
 class WorkerRecords:
