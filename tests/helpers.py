@@ -167,7 +167,8 @@ def assert_resumes_bitwise(cfg: Any, out: Path, state: Path, next_metrics: dict,
     the final weights `final` bit for bit."""
     import torch
 
-    from zerokl.ppo.loop import TIMING_KEYS, PPORun
+    from zerokl.ppo.metrics import TIMING_KEYS
+    from zerokl.ppo.loop import PPORun
 
     resumed = PPORun(cfg, out, resume=state, log=lambda _: None)
     try:

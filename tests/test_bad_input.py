@@ -22,7 +22,7 @@ from helpers import PPOReference
 from parity.io.checkpoint import INDEX_FILE
 from zerokl.cli import main
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.loop import resume_point
+from zerokl.ppo.state import resume_point
 
 REPO = Path(__file__).resolve().parents[1]
 

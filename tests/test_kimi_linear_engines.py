@@ -116,7 +116,7 @@ def test_ppo_steps_keep_kl_exactly_zero(tmp_path: Path) -> None:
             assert m["step"] == step and m["policy_version"] == step
         assert run.engine.policy_version == run.version == 3
         _, init = load_checkpoint(tmp_path / "ppo" / "init-checkpoint")
-        trained = run._export_base()
+        trained = run.sync.export_base()
         assert trained.keys() == init.keys() and any(not torch.equal(trained[n], t.float()) for n, t in init.items())
         prompts = [run.tokenizer.encode(p).ids for p in ("What is 3 + 4?", "What is 1 + 8? Answer:")]
         samples = run.engine.generate(prompts, n=2, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)

@@ -32,7 +32,9 @@ import torch
 from parity.sync.bundle import WeightBundle
 from zerokl.cli import main
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.loop import TIMING_KEYS, PPORun, SyncFailed
+from zerokl.ppo.metrics import TIMING_KEYS
+from zerokl.ppo.loop import PPORun
+from zerokl.ppo.sync import SyncFailed
 from helpers import PPO_REFERENCE_CONFIG, PPOReference, ppo_config_file
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
@@ -96,7 +98,7 @@ def test_corrupted_sync_leaves_engine_on_old_version(ppo_reference: PPOReference
     run = PPORun(cfg, tmp_path / "run", resume=ppo_reference.out / "checkpoints" / "step-2", log=lambda _: None)
     try:
         before = run.engine.policy_version
-        transport = run.sync.transport
+        transport = run.sync.send.transport
 
         class Corrupting:
             """The run's transport with one bit flipped in flight."""
@@ -112,19 +114,19 @@ def test_corrupted_sync_leaves_engine_on_old_version(ppo_reference: PPOReference
                 tensors[name] = bad
                 return transport.send(WeightBundle(bundle.version, bundle.kind, tensors, bundle.checksums))
 
-        run.sync.transport = Corrupting()
+        run.sync.send.transport = Corrupting()
         try:
             with pytest.raises(SyncFailed, match="checksum mismatch.*stays on version"):
-                run._sync_new_version()
+                run.sync.push(run.version + 1)
         finally:
-            run.sync.transport = transport
+            run.sync.send.transport = transport
         master = run.trainer.module.official_parameters()[EXPERT]  # a NaN in an MXFP4 expert's fp32 master
         saved = master.detach().clone()
         with torch.no_grad():
             master.view(-1)[5] = float("nan")
         try:
             with pytest.raises(SyncFailed, match=rf"{re.escape(EXPERT)}: holds NaN or inf.*stays on version"):
-                run._sync_new_version()
+                run.sync.push(run.version + 1)
         finally:
             with torch.no_grad():
                 master.copy_(saved)

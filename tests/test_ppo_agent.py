@@ -200,7 +200,7 @@ def test_chat_turns_parse_with_vllms_kimi_k3_parsers_and_the_trajectory_is_the_t
 def test_a_user_chat_environment_declares_its_tools_and_bad_ones_are_refused(k3_tiny: Path, tmp_path: Path) -> None:
     """A user class with `chat = True` runs in K3's chat format with its own tools and system message; malformed tools
     are refused before anything starts, naming the tool."""
-    from zerokl.ppo.loop import chat_dialogue
+    from zerokl.ppo.setup import chat_dialogue
 
     body = ("class E:\n    chat = True\n    system = 'Be brief.'\n    tools = TOOLS\n"
             "    def sample(self, rng): return Problem('Hi?', 'x')\n    def episode(self, p): return None\n")

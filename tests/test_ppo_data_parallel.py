@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import PPO_REFERENCE_CONFIG, ppo_config_file
-from zerokl.ppo.loop import TIMING_KEYS
+from zerokl.ppo.metrics import TIMING_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # two-rank runs, an engine each: scheduled first (conftest.py)
 

@@ -25,7 +25,7 @@ from lora.adapter import save_adapter
 from lora.init import random_adapter
 from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
-from zerokl.ppo.loop import TIMING_KEYS
+from zerokl.ppo.metrics import TIMING_KEYS
 from helpers import PPO_REFERENCE_CHECKPOINTS, PPO_REFERENCE_CONFIG, PPOReference, ppo_config_file
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)

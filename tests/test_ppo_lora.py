@@ -19,7 +19,8 @@ from parity.weights import text_specs
 from trainer.base import ADAPTER_DIR
 from parity.io.checkpoint import load_checkpoint
 from zerokl.ppo.config import load_ppo_config
-from zerokl.ppo.loop import TIMING_KEYS, PPORun
+from zerokl.ppo.metrics import TIMING_KEYS
+from zerokl.ppo.loop import PPORun
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
@@ -50,7 +51,7 @@ def lora_run(k3_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[l
     run = PPORun(cfg, out, log=lambda _: None)
     try:
         metrics = _steps(run, STEPS, out)
-        base = {n: t for n, t in run._export_base().items()}
+        base = {n: t for n, t in run.sync.export_base().items()}
     finally:
         run.close()
     return metrics, out, base

@@ -37,7 +37,7 @@ def test_trained_vision_tower_is_synced_every_step_and_saved(k3_tiny_mxfp4: Path
         run.save_state(tmp_path / "state")
         final = {n: t.clone() for n, t in run.backend.export_official().items()}
         # the engine takes full bundles only with the tower in them (all or nothing): it runs the synced tower
-        text_only = {n: t for n, t in run._export_base().items() if n not in names}
+        text_only = {n: t for n, t in run.sync.export_base().items() if n not in names}
         with pytest.raises(SyncError, match=f"partial update: {len(names)} tensors missing"):
             run.engine.update_weights(WeightBundle.make(run.version + 1, text_only))
         # the trained tower gives an image other rows than the checkpoint's (the frozen encoder's)

@@ -82,7 +82,7 @@ def _wandb_run(cfg: PPOConfig, out: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerokl.ppo.loop import check_sharding
+    from zerokl.ppo.setup import check_sharding
 
     servers = args.num_rollout_servers
     if args.ray is not None and servers is None and not _config_key(args.config, "num_rollout_servers"):
@@ -112,7 +112,8 @@ def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
     """Start `num_rollout_servers` servers on the run's checkpoint, train against them, stop them however the run
     ends (a SIGTERM ends the run as Ctrl-C does)."""
     from rollout.client.local_servers import local_servers
-    from zerokl.ppo.loop import base_checkpoint, engine_args_for, server_lora
+    from zerokl.ppo.setup import base_checkpoint, server_lora
+    from zerokl.ppo.rollouts import engine_args_for
 
     _check_nproc(cfg, args.nproc_per_node)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -131,7 +132,10 @@ def train(cfg: PPOConfig, out: Path, resume: str | None) -> int:
     """The PPO run in this process (one rank under a launcher): the console lines, metrics, checkpoints; its exit
     code."""
     from rollout.sampling import RolloutError
-    from zerokl.ppo.loop import PPORun, StaleRollout, SyncFailed, resume_point
+    from zerokl.ppo.loop import PPORun
+    from zerokl.ppo.rollouts import StaleRollout
+    from zerokl.ppo.sync import SyncFailed
+    from zerokl.ppo.state import resume_point
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     log = (lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None)  # noqa: E731
@@ -184,7 +188,7 @@ def train(cfg: PPOConfig, out: Path, resume: str | None) -> int:
 def _launch(cfg: PPOConfig, out: Path, nproc: int) -> int:
     """This command on `nproc` processes (DeepSpeed), after creating the run's starting checkpoint once."""
     from zerokl.launch import launch
-    from zerokl.ppo.loop import base_checkpoint
+    from zerokl.ppo.setup import base_checkpoint
 
     _check_nproc(cfg, nproc)
     base_checkpoint(cfg, out)

@@ -75,7 +75,8 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'zerokl[ray]'") from None
-    from zerokl.ppo.loop import base_checkpoint, engine_args_for, server_lora
+    from zerokl.ppo.setup import base_checkpoint, server_lora
+    from zerokl.ppo.rollouts import engine_args_for
 
     if cfg.rollout_servers:
         raise ConfigError("--ray starts its own rollout servers (--num-rollout-servers N); drop rollout_servers")
