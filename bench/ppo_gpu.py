@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from parity.config import ModelConfig  # noqa: E402
 from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
 from parity.kernels import get_kernels  # noqa: E402
-from parity.model import K3Forward, K3Weights, MLACache, new_cache  # noqa: E402
+from parity.caches import MLACache, new_cache  # noqa: E402
+from parity.model import K3Forward, K3Weights  # noqa: E402
 from parity.weights import serving_weights  # noqa: E402
 from rollout.generate.decode_graph import GraphedDecode  # noqa: E402
 from rollout.generate.paged_pool import PagedLatentPool  # noqa: E402

@@ -50,7 +50,8 @@ from lora.init import peft_default_adapter, random_adapter
 from rollout.generate.paged_pool import PagedLatentPool
 from parity.config import ModelConfig, TextConfig, load_model_config
 from parity.kernels import get_kernels
-from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
+from parity.caches import MLACache, new_cache
+from parity.model import K3Forward, K3Weights, score_sequences
 from parity.weights import text_specs
 from parity.io.checkpoint import random_weights
 from parity.sync.bundle import SyncError, TensorStore, WeightBundle

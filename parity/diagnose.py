@@ -14,7 +14,8 @@ from typing import Literal
 
 import torch
 
-from parity.model import K3Forward, new_cache
+from parity.caches import new_cache
+from parity.model import K3Forward
 
 Schedule = Literal["one_pass", "decode"]
 

@@ -35,23 +35,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parity.absorbed_mla import absorb_queries, expand_values, split_heads
+from parity.caches import KDACache, MLACache, new_cache
 from parity.config import TextConfig
+from parity.experts import ExpertWeights
 from parity.kernels import Kernels
-from parity.kernels.dsa import top_positions
 from parity.kernels.linear import LoRA, k_segments
 from parity.kernels.logprobs import Sampling
-from parity.kernels.moe import experts_combine
-from parity.kernels.norms import layernorm_invariant
+from parity.mla import MLAttention
 from parity.kernels.primitives import wide
-from parity.quant import fp8, mxfp4
+from parity.quant import mxfp4
 from parity.quant.mxfp4 import MXFP4Weight
-from parity.quant.bf16 import holds_bf16_values, mark_bf16_valued
+from parity.quant.bf16 import mark_bf16_valued
 from parity.quant.ste import straight_through
 from parity.weights import is_quantized, is_row_parallel, mtp_specs, packed_names, text_names, text_specs
 
 KDA_NORM_EPS = 1e-5  # FusedRMSNormGated's default, used by vLLM's K3 KDA output norm
-INDEX_NORM_EPS = 1e-6  # the DSA indexer's key LayerNorm (DeepSeek-V3.2's, as vLLM builds it)
 _ROUTING: ContextVar[list[torch.Tensor] | None] = ContextVar("zerokl_routing", default=None)
 
 
@@ -106,82 +104,7 @@ class K3Weights:
         return self.tensors[name]
 
 
-@dataclass
-class KDACache:
-    """Per-sequence KDA state: conv inputs of the last W-1 tokens and the recurrent state after the last token."""
-
-    conv: torch.Tensor  # [B, W-1, 3P] activation dtype (q | k | v pre-conv projections)
-    state: torch.Tensor  # [B, H, K, V] fp32 (float64 in gradient checks)
-    # When a list: receives (conv, state) after every token of the next step, token by token (a speculative verify
-    # step, whose accepted length is known only after it: `rollout.vllm.caches`). The same bits as one pass.
-    trail: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-
-@dataclass
-class MLACache:
-    """Contiguous per-sequence MLA latents: normalised compressed kv and the (unrotated) key part; with the DSA
-    indexer, each position's index key beside its latent."""
-
-    latent: torch.Tensor  # [B, S, kv_lora_rank + rope] activation dtype
-    length: torch.Tensor  # [B] int64, valid positions
-    index: torch.Tensor | None = None  # [B, S, index_head_dim] activation dtype (FP8-rounded values), DSA only
-
-    def append(self, new: torch.Tensor, lens: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """Write `new[b, :lens[b]]` (and `index[b, :lens[b]]`) after the current end of row b (grows the buffers as
-        needed)."""
-        end = self.length + lens
-        self.latent = _appended(self.latent, new, self.length, lens)
-        if index is not None:
-            assert self.index is not None
-            self.index = _appended(self.index, index, self.length, lens)
-        self.length = end
-
-    def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-        """`kernels.attention` of q [B, Tq, 1, L] over the cached latents as one key head (keys: the whole latent;
-        values: its first `values` channels) -> [B, Tq, 1, values]."""
-        lat = self.latent.to(q.dtype).unsqueeze(2)  # an FP8-rounded latent is held exactly in the compute dtype
-        return kernels.attention(q, lat, lat[..., :values], q_pos, self.length, scale)
-
-    def sparse_attend(self, kernels: Kernels, q: torch.Tensor, selected: torch.Tensor, count: torch.Tensor,
-                      values: int, scale: float) -> torch.Tensor:
-        """`kernels.sparse_attention` of q [B, T, H, L] over each token's selected latents ([B, T, K] positions, the
-        first `count` [B, T] real) -> [B, T, H, values]."""
-        return kernels.sparse_attention(q, self.latent.to(q.dtype).unsqueeze(2), selected, count, values, scale)
-
-
-def _appended(buf: torch.Tensor, new: torch.Tensor, length: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """`buf` [B, S, D] with `new[b, :lens[b]]` written from `length[b]` on, grown as needed."""
-    b, _, d = new.shape
-    need = int((length + lens).max()) if b else 0
-    if need > buf.shape[1]:
-        grown = buf.new_zeros(b, need, d)
-        grown[:, : buf.shape[1]] = buf
-        buf = grown
-    for i in range(b):
-        start, n = int(length[i]), int(lens[i])
-        buf[i, start : start + n] = new[i, :n]
-    return buf
-
-
-def new_cache(cfg: TextConfig, batch: int, dtype: torch.dtype | None = None) -> list[KDACache | MLACache]:
-    """Empty caches for `batch` new sequences, one per layer; `dtype` is the activation dtype (`K3Forward.dtype`;
-    default the config's compute dtype; float64 only for gradient checks). KDA states are at least fp32."""
-    dtype = dtype or cfg.compute_dtype
-    caches: list[KDACache | MLACache] = []
-    for layer in range(cfg.num_hidden_layers):
-        if cfg.is_kda(layer):
-            d = cfg.kda_head_dim
-            caches.append(KDACache(torch.zeros(batch, cfg.conv_kernel - 1, 3 * cfg.kda_proj_size, dtype=dtype),
-                                   torch.zeros(batch, cfg.kda_num_heads, d, d,
-                                               dtype=torch.promote_types(dtype, torch.float32))))
-        else:
-            index = None if cfg.index_head_dim is None else torch.zeros(batch, 0, cfg.index_head_dim, dtype=dtype)
-            caches.append(MLACache(torch.zeros(batch, 0, cfg.mla_latent_size, dtype=dtype),
-                                   torch.zeros(batch, dtype=torch.long), index))
-    return caches
-
-
-class K3Forward:
+class K3Forward(MLAttention, ExpertWeights):
     """Binds weights and a kernel set; `hidden`/`logits`/`token_logprobs` run the model."""
 
     def __init__(self, weights: K3Weights, kernels: Kernels):
@@ -259,61 +182,6 @@ class K3Forward:
             routed = routed + self._mlp(flat, f"{p}.shared_experts")
         return routed.view(x.shape)
 
-    def _routed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
-        """x: [N, L], ids/weights: [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x): [N, L] fp32
-        (`experts_combine`, or the kernel set's grouped `experts` op on the stacked weights: the Triton set).
-        Hook: an expert-parallel engine overrides this to run the experts it owns and exchange rows."""
-        e = range(self.cfg.num_experts or 0)
-        if self.k.experts is not None:
-            c = self.cfg
-            beta, linear_beta = (c.situ_beta or 1.0, c.situ_linear_beta) if c.hidden_act == "situ" else (1.0, None)
-            stacked = [self._expert_stack(p, w, e) for w in ("w1", "w3", "w2")]
-            return self.k.experts(x, ids, weights, *stacked, "situ" if c.hidden_act == "situ" else "silu", beta,
-                                  linear_beta)
-        return experts_combine(x, ids, weights, *(self.expert_weights(p, w, e) for w in ("w1", "w3", "w2")),
-                               self.k.linear, self._act)
-
-    def expert_weights(self, p: str, w: str, experts: range) -> list[torch.Tensor | MXFP4Weight]:
-        """`weight` of the experts' `w` ("w1", "w3" or "w2") in MoE block `p`, one per expert."""
-        stacked = self._masters_fake_quantized(p, w, experts)
-        if stacked is None:
-            return [self.weight(f"{p}.experts.{e}.{w}.weight") for e in experts]
-        return [mark_bf16_valued(t) for t in stacked.unbind(0)]
-
-    def _expert_stack(self, p: str, w: str, experts: range) -> torch.Tensor | MXFP4Weight:
-        """`expert_weights` stacked for a grouped op (`_stacked`)."""
-        stacked = self._masters_fake_quantized(p, w, experts)
-        if stacked is None:
-            return self._stacked([self.weight(f"{p}.experts.{e}.{w}.weight") for e in experts])
-        return stacked
-
-    def _masters_fake_quantized(self, p: str, w: str, experts: range) -> torch.Tensor | None:
-        """When the experts' `w` are MXFP4 masters (a trainer's): their fake-quantised values stacked [E, N, K] and
-        marked, from one `mxfp4.fake_quantize` over the stack. The quantiser's groups lie within a row, so each expert
-        gets the values (and the straight-through gradient) it gets alone, at one call's host syncs and launches
-        instead of one per expert. None otherwise (packed or unquantised weights)."""
-        names = [f"{p}.experts.{e}.{w}.weight" for e in experts]
-        held = [self.w.get(n) for n in names]
-        if len(names) < 2 or not all(n in self._quantized and isinstance(t, torch.Tensor) for n, t in zip(names, held)):
-            return None
-        stacked = torch.stack(held)
-        try:
-            values = mxfp4.fake_quantize(stacked.reshape(-1, stacked.shape[-1]), f"{p}.experts.*.{w}.weight")
-        except mxfp4.QuantError:
-            for name in names:  # the error names the expert
-                self.weight(name)
-            raise
-        return mark_bf16_valued(values.view(stacked.shape))
-
-    @staticmethod
-    def _stacked(ws: list[torch.Tensor | MXFP4Weight]) -> torch.Tensor | MXFP4Weight:
-        """The experts' weights stacked for a grouped op: packed ones as one stacked `MXFP4Weight`; tensors stacked,
-        keeping their bf16-values mark (`parity.quant.bf16`) when every one carries it."""
-        if all(isinstance(w, MXFP4Weight) for w in ws):
-            return MXFP4Weight.stack(ws)
-        out = torch.stack(ws)
-        return mark_bf16_valued(out) if all(holds_bf16_values(w) for w in ws) else out
-
     def _kda(self, x: torch.Tensor, p: str, cache: KDACache, lens: torch.Tensor) -> torch.Tensor:
         """KDA layer on normalised input x: [B, T, D]; updates `cache` in place."""
         c = self.cfg
@@ -349,94 +217,6 @@ class K3Forward:
             gate = self._lin(self._lin(x, f"{p}.g_a_proj.weight"), f"{p}.g_b_proj.weight").view(b, t, h, d)
         o = self.k.gated_rmsnorm(o, gate, self.weight(f"{p}.o_norm.weight"), KDA_NORM_EPS)
         return self._lin(o.reshape(b, t, h * d), f"{p}.o_proj.weight")
-
-    def _kv_b_heads(self, p: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """kv_b_proj per head: (its k_nope rows transposed, [r, dn]: q_nope -> latent; its v rows, [dv, r]: latent -> v),
-        each a `linear` weight; with a LoRA the effective weight W + scale * B A in fp32 (one invariant GEMM: it depends on the weights only, never on the
-        batch). The per-head views keep the weight's bf16-values mark (`parity.quant.bf16`)."""
-        c = self.cfg
-        name = f"{p}.kv_b_proj.weight"
-        w = self.weight(name)
-        lora = self._lora(name)
-        if lora is not None:
-            w = wide(w) + self.k.linear(wide(lora.b), wide(lora.a).t()) * lora.scale
-        uk_t, uv = split_heads(w, c.num_attention_heads, c.qk_nope_head_dim)
-        if holds_bf16_values(w):
-            uk_t, uv = [mark_bf16_valued(v) for v in uk_t], [mark_bf16_valued(v) for v in uv]
-        return uk_t, uv
-
-    def _mla(self, x: torch.Tensor, p: str, cache: MLACache, pos: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """NoPE MLA on normalised input x: [B, T, D]; appends this step's latents to `cache`.
-
-        Absorbed form, on every schedule (prefill, decode, trainer): per head h, q_lat = W_UK[h]^T q_nope, attention
-        of [q_lat ; q_rope] over the cached latents [c ; k_rope] with values c (one latent head shared by all query
-        heads), then o = W_UV[h] o_lat. kv_b_proj never touches the cache: a decode step costs O(S * H * (2r + dr))
-        instead of O(S * r * H * (dn + dv)) for S cached positions (parity/README.md)."""
-        c = self.cfg
-        b, t, _ = x.shape
-        h, dn, dr, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-        if c.q_lora_rank is not None:
-            qr = self._norm(self._lin(x, f"{p}.q_a_proj.weight"), f"{p}.q_a_layernorm.weight")
-            q = self._lin(qr, f"{p}.q_b_proj.weight")
-        else:
-            q = self._lin(x, f"{p}.q_proj.weight")
-        q = q.view(b, t, h, dn + dr)
-        kv_a = self._lin(x, f"{p}.kv_a_proj_with_mqa.weight")  # [B, T, r + dr]
-        latent = torch.cat([self._norm(kv_a[..., :r], f"{p}.kv_a_layernorm.weight"), kv_a[..., r:]], dim=-1)
-        if c.latent_cache == "fp8_e4m3":
-            latent = fp8.round_trip(latent)  # the values the FP8 cache holds, for every reader
-        if c.index_topk is None:
-            cache.append(latent, lens)
-        else:  # a cache holding index keys (the shared forward's `MLACache`; not yet the engines' paged ones)
-            cache.append(latent, lens, self._index_keys(x, p))
-        uk_t, uv = self._kv_b_heads(p)
-        q_lat = absorb_queries(self.k, q[..., :dn], uk_t)  # [B, T, H, r]
-        q_abs = torch.cat([q_lat, q[..., dn:]], dim=-1).reshape(b, t * h, 1, r + dr)  # rows (token, head)
-        if c.index_topk is None:
-            o_lat = cache.attend(self.k, q_abs, r, pos.repeat_interleave(h, dim=1), (dn + dr) ** -0.5)
-        else:
-            selected, count = self._select(x, qr, p, cache, pos)
-            o_lat = cache.sparse_attend(self.k, q_abs.view(b, t, h, r + dr), selected, count, r, (dn + dr) ** -0.5)
-        o_lat = o_lat.view(b, t, h, r)
-        o = expand_values(self.k, o_lat, uv)  # [B, T, H, dv]
-        if c.mla_use_output_gate:  # sigmoid gate and product in fp32, rounded once
-            o = (wide(o) * self.k.sigmoid(wide(self._lin(x, f"{p}.g_proj.weight")).view(b, t, h, dv))).to(o.dtype)
-        return self._lin(o.reshape(b, t, h * dv), f"{p}.o_proj.weight")
-
-    # --- DSA: the lightning indexer and sparse MLA (K3.1 Pro) -----------------------------------
-    def _index_keys(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        """x [B, T, D] -> one index key per token [B, T, index_head_dim]: LayerNorm(wk x) (fp32 statistics, the
-        affine in fp32, rounded once), as the FP8 index-key cache holds it (`fp8.round_trip_scaled`)."""
-        out = layernorm_invariant(self._lin(x, f"{p}.indexer.wk.weight"), self.weight(f"{p}.indexer.k_norm.weight"),
-                                  self.weight(f"{p}.indexer.k_norm.bias"), INDEX_NORM_EPS)
-        return fp8.round_trip_scaled(out.to(x.dtype))
-
-    def index_scores(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
-                     pos: torch.Tensor) -> torch.Tensor:
-        """The indexer's score of every cached key for every query: [B, T, S] fp32, -inf where key s is not a candidate
-        (s > the query's position, or past the cache).
-
-        Score of key s for the query at position t: sum over index heads j of w_j * ReLU(q_j . k_s) (the kernel set's
-        `index_scores`; q_j: the FP8-rounded index query of head j; w = weights_proj x / sqrt(index_head_dim *
-        index_n_heads)). The scores only choose positions (no gradient reaches them), so they are computed from
-        detached inputs."""
-        c = self.cfg
-        assert c.index_n_heads is not None and c.index_head_dim is not None
-        b, t, _ = x.shape
-        nh, d = c.index_n_heads, c.index_head_dim
-        x, qr = x.detach(), qr.detach()
-        q = fp8.round_trip_scaled(self._lin(qr, f"{p}.indexer.wq_b.weight").view(b, t, nh, d))
-        w = wide(self._lin(x, f"{p}.indexer.weights_proj.weight")) * (d * nh) ** -0.5  # [B, T, nh]
-        keys = cache.index
-        assert keys is not None
-        return self.k.index_scores(q.detach(), w.detach(), keys.detach().to(q.dtype), pos, cache.length)
-
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, p: str, cache: MLACache,
-                pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions each query attends (`parity.kernels.dsa.top_positions` of `index_scores`): (selected
-        [B, T, K] ascending, padded with 0; count [B, T])."""
-        assert self.cfg.index_topk is not None
-        return top_positions(self.index_scores(x, qr, p, cache, pos), self.cfg.index_topk)
 
     # --- the model ------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ from parity.config import ConfigError, load_model_config, parse_model_config
 from parity.io.checkpoint import init_checkpoint, load_checkpoint
 from parity.kernels import INVARIANT
 from parity.kernels.dsa import top_positions
-from parity.model import K3Forward, K3Weights, MLACache, decode_logprobs, new_cache, score_sequences
+from parity.caches import MLACache, new_cache
+from parity.model import K3Forward, K3Weights, decode_logprobs, score_sequences
 from parity.reference.dsa import index_keys, index_scores, select
 from parity.weights import is_indexer
 from rollout.generate.paged_pool import PagedLatentPool

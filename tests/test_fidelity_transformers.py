@@ -28,7 +28,8 @@ from torch import Tensor
 
 from parity.config import TextConfig, load_model_config
 from parity.kernels import FAST, INVARIANT
-from parity.model import KDA_NORM_EPS, K3Forward, K3Weights, new_cache, score_sequences
+from parity.caches import new_cache
+from parity.model import KDA_NORM_EPS, K3Forward, K3Weights, score_sequences
 from parity.reference import ReferenceK3
 from parity.io.checkpoint import load_checkpoint
 

@@ -802,7 +802,8 @@ def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str)
     beside the latents, each query attending its 16 best positions of up to 150): sequences scored in one batched
     pass equal, bit for bit, the same sequences generated token by token (prefill split, then decode) through a paged
     MLA cache and the chunked KDA state; in fp32 they agree with the CPU invariant forward within fp32 round-off."""
-    from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
+    from parity.caches import MLACache, new_cache
+    from parity.model import K3Forward, K3Weights, score_sequences
     from rollout.generate.paged_pool import PagedLatentPool
 
     cfg, official = _k3_tiny_model(config)
@@ -836,7 +837,8 @@ def test_gpu_graphed_decode_equals_eager(gpu: Platform, config: str) -> None:
     step after step, over a paged latent pool and the chunked KDA state (rows of different lengths; decode crosses a
     64-token KDA chunk boundary), in fp32 and in K3's numerics (bf16, MXFP4 experts, FP8 latents; k3.1-tiny: with
     the DSA indexer, contexts past its top-k)."""
-    from parity.model import K3Forward, K3Weights, MLACache, new_cache
+    from parity.caches import MLACache, new_cache
+    from parity.model import K3Forward, K3Weights
     from rollout.generate.decode_graph import GraphedDecode
     from rollout.generate.paged_pool import PagedLatentPool
 

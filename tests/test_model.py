@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from parity.config import ModelConfig, load_model_config
 from parity.kernels import FAST, INVARIANT, Kernels
-from parity.model import K3Forward, K3Weights, MLACache, new_cache, score_sequences
+from parity.caches import MLACache, new_cache
+from parity.model import K3Forward, K3Weights, score_sequences
 from parity.io.checkpoint import random_weights
 from rollout.generate.paged_pool import PagedLatentPool
 

@@ -20,7 +20,8 @@ from parity.reference.mla import mla_layer
 from parity.reference.moe import moe_layer, route
 from parity.reference.ops import causal_conv_silu, glu_activation, l2_norm, situ
 from parity.kernels import INVARIANT
-from parity.model import K3Forward, K3Weights, MLACache
+from parity.caches import MLACache
+from parity.model import K3Forward, K3Weights
 from parity.weights import layer_prefix
 from parity.io.checkpoint import random_weights, save_checkpoint
 

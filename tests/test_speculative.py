@@ -25,7 +25,8 @@ import torch
 
 from parity.io.checkpoint import load_checkpoint
 from parity.kernels import get_kernels
-from parity.model import K3Forward, K3Weights, KDACache, new_cache
+from parity.caches import KDACache, new_cache
+from parity.model import K3Forward, K3Weights
 from zerokl.cli import main
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun

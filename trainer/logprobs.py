@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from parity.kernels.logprobs import Sampling, processed_logits
-from parity.model import K3Forward, new_cache
+from parity.caches import new_cache
+from parity.model import K3Forward
 from parity.vision import ImageInputs, ImageRows
 
 

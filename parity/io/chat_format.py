@@ -33,7 +33,8 @@ def _message_open(role: str, attrs: str = "") -> str:
     return f'{OPEN}message role="{role}"{attrs}{SEP}'
 
 
-_MESSAGE_CLOSE = f"{CLOSE}message{SEP}{END_OF_MSG}"
+MESSAGE_CLOSE = f"{CLOSE}message{SEP}"  # a message's closing tag (END_OF_MSG follows it)
+_MESSAGE_END = MESSAGE_CLOSE + END_OF_MSG
 
 # One line of Jinja per piece; `{%- -%}` everywhere, so the tokenizer's trim/lstrip settings change nothing.
 CHAT_TEMPLATE = "".join([
@@ -46,9 +47,9 @@ CHAT_TEMPLATE = "".join([
     "{%- if thinking is defined -%}{%- set think = thinking -%}{%- elif enable_thinking is defined -%}"
     "{%- set think = enable_thinking -%}{%- else -%}{%- set think = true -%}{%- endif -%}",
     "{%- if tools -%}", _message_open("system", ' type="tool-declare"'), _TOOL_DECLARE,
-    "{{ tools | tojson(separators=(',', ':'), sort_keys=true) }}\n```", _MESSAGE_CLOSE, "{%- endif -%}",
+    "{{ tools | tojson(separators=(',', ':'), sort_keys=true) }}\n```", _MESSAGE_END, "{%- endif -%}",
     "{%- if think -%}", _message_open("system", ' type="thinking-effort"'), _THINKING_EFFORT,
-    "{{ thinking_effort | default('max') }}`.", _MESSAGE_CLOSE, "{%- endif -%}",
+    "{{ thinking_effort | default('max') }}`.", _MESSAGE_END, "{%- endif -%}",
     "{%- for m in messages -%}",
     f'{OPEN}message role="{{{{ esc(m.role) }}}}"',
     "{%- if m.role == 'tool' and m.name %} name=\"{{ esc(m.name) }}\"{%- endif -%}", SEP,
@@ -66,7 +67,7 @@ CHAT_TEMPLATE = "".join([
     f'{OPEN}json type="object"{SEP}{{{{ f.arguments }}}}{CLOSE}json{SEP}',
     "{%- endif -%}", f"{CLOSE}call{SEP}", "{%- endfor -%}", f"{CLOSE}tools{SEP}", "{%- endif -%}",
     "{%- else -%}{{ body(m.content) }}{%- endif -%}",
-    _MESSAGE_CLOSE,
+    _MESSAGE_END,
     "{%- endfor -%}",
     "{%- if add_generation_prompt -%}", _message_open("assistant"),
     f"{{%- if think -%}}{OPEN}think{SEP}{{%- else -%}}{OPEN}response{SEP}{{%- endif -%}}",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import math
 import shutil
 import tempfile
@@ -42,57 +41,15 @@ from typing import Any
 
 import torch
 
-from lora.push import error_message
 from parity.config import TextConfig
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
 from parity.sync.group import StandaloneGroup, address_towards, free_port
 from parity.sync.transports import SyncResult, TorchDistributed
-from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
-                              sample_seed)
+from rollout.sampling import ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, sample_seed
+from rollout.client import http
+from rollout.client.http import Server, ServerDown
 from rollout.server.admin import (ABORT_ROUTE, GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE,
-                                  VERSION_HEADER, WEIGHTS_ROUTE, served_version)
-
-
-class ServerDown(RuntimeError):
-    """A server that cannot be reached or answers with a server error."""
-
-
-@dataclass
-class Server:
-    """One `zerokl serve` server at `url` (scheme://host:port)."""
-
-    url: str
-    api_key: str | None = None
-    timeout_s: float = 600.0
-    workers: int = 1  # vLLM worker processes (each joins a sync group)
-
-    def call(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None) -> Any:
-        """The JSON answer; HTTPError for a 4xx answer, ServerDown when unreachable or on a 5xx answer."""
-        data = None if body is None else json.dumps(body).encode()
-        head = {"Content-Type": "application/json", **(headers or {})}
-        if self.api_key:
-            head["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url.rstrip("/") + path, data, head, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as e:
-            if e.code >= 500:
-                raise ServerDown(f"{self.url}{path}: HTTP {e.code}: {root_message(_message(e))}") from None
-            raise
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            raise ServerDown(f"{self.url}: {getattr(e, 'reason', e)}") from None
-
-    def weights(self) -> dict[str, Any]:
-        return self.call("GET", WEIGHTS_ROUTE)
-
-
-def _message(error: urllib.error.HTTPError) -> str:
-    """The server's own message in an error answer (`lora.push.error_message` of its body), else the HTTP reason."""
-    try:
-        return error_message(error.read().decode(errors="replace")) or str(error.reason)
-    except OSError:
-        return str(error.reason)
+                                  VERSION_HEADER, served_version)
 
 
 @dataclass
@@ -122,7 +79,7 @@ class RemoteRollout:
                 raise RolloutError(f"rollout server {s.url} is not reachable ({e}); start it with `zerokl serve`") \
                     from None
             except urllib.error.HTTPError as e:
-                raise RolloutError(f"rollout server {s.url} refused zerokl's routes (HTTP {e.code}: {_message(e)}); "
+                raise RolloutError(f"rollout server {s.url} refused zerokl's routes (HTTP {e.code}: {http.message(e)}); "
                                    "is it a `zerokl serve` server, and is --api-key right?") from None
         versions = {w["version"] for w in held.values()}
         if len(versions) != 1:
@@ -170,7 +127,7 @@ class RemoteRollout:
                 return server, self._request(server, body)
 
             with ThreadPoolExecutor(min(64, len(pending))) as pool:
-                outcomes = list(zip(pending, pool.map(_catching(run), pending)))
+                outcomes = list(zip(pending, pool.map(http.catching(run), pending)))
             pending = []
             for job, (value, error) in outcomes:
                 if isinstance(error, ServerDown):
@@ -204,7 +161,7 @@ class RemoteRollout:
         try:
             return server.call("POST", GENERATE_ROUTE, body, {VERSION_HEADER: str(self.version)})
         except urllib.error.HTTPError as e:
-            raise RolloutError(f"rollout server {server.url} refused a request: HTTP {e.code}: {_message(e)}") \
+            raise RolloutError(f"rollout server {server.url} refused a request: HTTP {e.code}: {http.message(e)}") \
                 from None
 
     def _sample(self, answer: dict) -> Sample:
@@ -370,7 +327,7 @@ class RemoteRollout:
             try:
                 update = {"update_info": {"transport": transport.name, "message": message}}
                 with ThreadPoolExecutor(len(servers)) as pool:
-                    refused = _errors([pool.submit(s.call, "POST", "/update_weights", update) for s in servers])
+                    refused = http.errors([pool.submit(s.call, "POST", "/update_weights", update) for s in servers])
             finally:
                 transport.release(message)
         if refused:
@@ -403,23 +360,23 @@ class RemoteRollout:
                 group = StandaloneGroup(host, port, 0, world, backend)
             except RuntimeError as e:
                 raise SyncError(f"rollout servers did not join the weight-sync group at {host}:{port} ({e}): "
-                                f"{'; '.join(_errors(joined)) or 'no answer'}") from None
+                                f"{'; '.join(http.errors(joined)) or 'no answer'}") from None
             try:
-                _results(joined, "join the weight-sync group")
+                http.results(joined, "join the weight-sync group")
                 update = {"update_info": {"transport": TorchDistributed.name, "message": {"version": bundle.version}}}
                 staged = [pool.submit(s.call, "POST", "/update_weights", update) for s in servers]
                 try:
                     TorchDistributed(src=0, group=group).send(bundle)
                 except RuntimeError as e:  # a server died mid-broadcast: the others time out and refuse
-                    return [f"the broadcast failed ({e})", *_errors(staged)]
-                return _errors(staged)
+                    return [f"the broadcast failed ({e})", *http.errors(staged)]
+                return http.errors(staged)
             finally:
                 group.close()
 
     def _each(self, servers: list[Server], call: Callable[[Server], Any], strict: bool = True) -> None:
         """`call` on every server at once; with `strict`, SyncError naming the first failure."""
         with ThreadPoolExecutor(len(servers)) as pool:
-            errors = _errors([pool.submit(call, s) for s in servers])
+            errors = http.errors([pool.submit(call, s) for s in servers])
         if errors and strict:
             raise SyncError(errors[0])
 
@@ -438,30 +395,3 @@ def _inputs(prompt: Sequence[int] | ImagePrompt) -> dict[str, Any]:
         image.save(png, format="PNG")
         parts.append({"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()})
     return {"token_ids": list(prompt.token_ids), "content_parts": parts, "return_token_ids": True}
-
-
-def _catching(fn: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, BaseException | None]]:
-    def wrapped(arg: Any) -> tuple[Any, BaseException | None]:
-        try:
-            return fn(arg), None
-        except Exception as e:  # returned to the caller, which decides per kind
-            return None, e
-    return wrapped
-
-
-def _errors(futures: list) -> list[str]:
-    out = []
-    for f in futures:
-        try:
-            f.result()
-        except urllib.error.HTTPError as e:
-            out.append(f"{e.url}: HTTP {e.code}: {_message(e)}")
-        except Exception as e:  # a server's failure, reported in the sync's error
-            out.append(str(e))
-    return out
-
-
-def _results(futures: list, what: str) -> None:
-    errors = _errors(futures)
-    if errors:
-        raise SyncError(f"rollout servers could not {what}: {errors[0]}")

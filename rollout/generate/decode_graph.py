@@ -14,7 +14,8 @@ from dataclasses import fields, is_dataclass
 
 import torch
 
-from parity.model import K3Forward, KDACache, MLACache
+from parity.caches import KDACache, MLACache
+from parity.model import K3Forward
 from rollout.generate.paged_pool import PagedLatentPool
 
 

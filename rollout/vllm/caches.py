@@ -4,11 +4,11 @@
 declare a cache spec, receive their cache view from vLLM and hand `parity.model.K3Forward.hidden` a
 per-step view of it:
 
-- `PagedLatentCache` has `parity.model.MLACache`'s interface: `append` writes each new latent at its
+- `PagedLatentCache` has `parity.caches.MLACache`'s interface: `append` writes each new latent at its
   token's slot (`slot_mapping`), `attend` runs the kernel set's paged attention over the request's blocks
   through the block table, `length` counts valid positions. Stale block contents past `length` are masked
   and zeroed by the attention kernel.
-- `KDAStateLayer.read` returns a `parity.model.KDACache` copied out of the request's state slot (zeros
+- `KDAStateLayer.read` returns a `parity.caches.KDACache` copied out of the request's state slot (zeros
   for a request with nothing computed yet, whatever the slot holds); `write` stores the updated state
   back. The slot is chosen by vLLM (`KDAStateMetadata.state_index`), so align-mode prefix caching and
   preemption work on these states like on any Mamba state.
@@ -26,7 +26,7 @@ from torch import nn
 
 from parity.config import TextConfig
 from parity.kernels import Kernels
-from parity.model import KDACache
+from parity.caches import KDACache
 from parity.kernels.attention import gather_paged
 from rollout.generate.paged_pool import attend_paged, index_entry_size, pack_index, sparse_attend_paged, unpack_index
 from rollout.vllm.backends import (
@@ -93,7 +93,7 @@ def _register(layer: nn.Module, prefix: str, vllm_config: VllmConfig) -> None:
 
 
 class PagedLatentCache:
-    """`parity.model.MLACache` over vLLM's paged latents for one `StepGroup`; with the DSA indexer each token's entry
+    """`parity.caches.MLACache` over vLLM's paged latents for one `StepGroup`; with the DSA indexer each token's entry
     holds its index key after the latent (`index_entry_size`)."""
 
     def __init__(self, pages: torch.Tensor, block_table: torch.Tensor, slots: torch.Tensor, length: torch.Tensor,
@@ -121,18 +121,18 @@ class PagedLatentCache:
         self.length = self.length + lens
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
-        """`parity.model.MLACache.attend` with the keys read from vLLM's pages through the block table."""
+        """`parity.caches.MLACache.attend` with the keys read from vLLM's pages through the block table."""
         return attend_paged(kernels, self._latent_pages, self.block_table, self.length, q, values, q_pos, scale)
 
     def sparse_attend(self, kernels: Kernels, q: torch.Tensor, selected: torch.Tensor, count: torch.Tensor,
                       values: int, scale: float) -> torch.Tensor:
-        """`parity.model.MLACache.sparse_attend` with the selected latents read from vLLM's pages."""
+        """`parity.caches.MLACache.sparse_attend` with the selected latents read from vLLM's pages."""
         return sparse_attend_paged(kernels, self._latent_pages, self.block_table, self.length, q, selected, count,
                                    values, scale)
 
     @property
     def index(self) -> torch.Tensor | None:
-        """[B, S, index_head_dim] every position's index key in the compute dtype (`parity.model.MLACache.index`)."""
+        """[B, S, index_head_dim] every position's index key in the compute dtype (`parity.caches.MLACache.index`)."""
         if self.index_dtype is None:
             return None
         return unpack_index(gather_paged(self.pages[..., self.latent_size :], self.block_table), self.index_dtype)

@@ -26,7 +26,8 @@ from torch import nn
 
 from parity.config import ModelConfig, TextConfig, load_model_config
 from parity.kernels import get_kernels
-from parity.model import K3Forward, K3Weights, KDACache, record_routing
+from parity.caches import KDACache
+from parity.model import K3Forward, K3Weights, record_routing
 from parity.quant import fp8
 from parity.routing import NOT_COMPUTED
 from parity.quant.mxfp4 import MXFP4Weight

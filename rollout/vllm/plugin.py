@@ -13,7 +13,8 @@ builds zerokl's draft only for zerokl's target, `rollout.vllm.mtp`; for zerokl's
   config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`
   is on its MLA list), and MLA mode on CPU forces block 16 / no prefix caching; this model's latent cache is
   its own attention backend, not vLLM's MLA;
-- `zerokl_kernels` -> the parity kernel set ("invariant", or "fast" for negative controls);
+- `zerokl_kernels` -> the parity kernel set ("invariant", "triton" on CUDA or under Triton's interpreter, or "fast"
+  for negative controls);
 - `zerokl_vision_synced` (with the vision tower): the tower's tensors are parameters that weight syncs carry (a run
   that trains the tower); without it they are held outside the parameters and syncs neither send nor expect them.
 """

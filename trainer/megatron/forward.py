@@ -59,7 +59,8 @@ from parity.kernels import get_kernels, runs_triton
 from parity.kernels.linear import LoRA, gemm, k_segments, pairwise_sum
 from parity.kernels.primitives import wide
 from parity.kernels.moe import experts_combine
-from parity.model import K3Forward, K3Weights, KDACache, MLACache
+from parity.caches import KDACache, MLACache
+from parity.model import K3Forward, K3Weights
 from parity.quant.bf16 import holds_bf16_values, mark_bf16_valued
 from trainer.megatron.sharding import Split, lora_splits, split_of, split_roles
 

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parity.io.chat_format import CLOSE, END_OF_MSG, OPEN, SEP, chat_prompt_ids, chat_tokenizer, check_tools
-
-_MESSAGE_CLOSE = f"{CLOSE}message{SEP}"
+from parity.io.chat_format import (END_OF_MSG, MESSAGE_CLOSE, OPEN, chat_prompt_ids, chat_tokenizer,
+                                   check_tools)
 
 
 @dataclass(frozen=True)
@@ -95,8 +94,8 @@ class ChatDialogue:
         text = self._render([message], generation=True)
         text = text[text.index(f'{OPEN}message role="{message["role"]}"'):]  # after the system preamble
         closed = bool(ids) and ids[-1] in self.stop_token_ids and self.tokenizer.decode(
-            ids[:-1], skip_special_tokens=False).endswith(_MESSAGE_CLOSE)
-        return self._ids(text if closed else _MESSAGE_CLOSE + END_OF_MSG + text)
+            ids[:-1], skip_special_tokens=False).endswith(MESSAGE_CLOSE)
+        return self._ids(text if closed else MESSAGE_CLOSE + END_OF_MSG + text)
 
 
 def _arguments(raw: str) -> dict[str, Any]:
