@@ -30,7 +30,7 @@ from trainer.megatron.train import build_model
 from parity.io.checkpoint import CheckpointError, load_checkpoint
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.loop import PPORun
-from helpers import torchrun_checks
+from helpers import TRAINER_PARALLEL_CHECKS, torchrun_checks
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
@@ -97,10 +97,9 @@ def test_a_log_splits_over_heads_on_dim_2(ckpt: Path) -> None:
 
 
 def test_trainer_tp2_ep2(ckpt: Path, tmp_path: Path) -> None:
-    from test_trainer_parallel import CHECKS
-
     torchrun_checks(REPO / "tests" / "dist" / "trainer_parallel.py",
-                    ["--tp", "2", "--ep", "2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")], CHECKS)
+                    ["--tp", "2", "--ep", "2", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")],
+                    TRAINER_PARALLEL_CHECKS)
 
 
 def test_ppo_steps_keep_kl_exactly_zero(tmp_path: Path) -> None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import torchrun_checks
+from helpers import TRAINER_PARALLEL_CHECKS, torchrun_checks
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist" / "trainer_parallel.py"
-CHECKS = 8  # "ok" lines the worker prints on success
 
 
 
@@ -32,4 +31,4 @@ def checkpoint(k3_tiny: Path) -> Path:
 @pytest.mark.parametrize("tp,ep,nproc", [(2, 2, 2), (4, 1, 4)], ids=["tp2-ep2", "tp4"])
 def test_trainer_parallel(tp: int, ep: int, nproc: int, checkpoint: Path, tmp_path: Path) -> None:
     torchrun_checks(WORKER, ["--tp", str(tp), "--ep", str(ep), "--checkpoint", str(checkpoint),
-                             "--out", str(tmp_path / "exported")], CHECKS, nproc=nproc)
+                             "--out", str(tmp_path / "exported")], TRAINER_PARALLEL_CHECKS, nproc=nproc)
