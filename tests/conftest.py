@@ -132,7 +132,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the groups holding a `heavy` test first (several engine processes at once, while no session engine is up
     yet: with the session fixtures' engines alive too they can pass the host's memory), then those holding a `slow`
     test (the two workers then end together, the fast modules filling in around them), each group's tests in their
-    collected order. `make test` keeps this order (`--no-loadscope-reorder`)."""
+    collected order. `make test` keeps this order (`--no-loadscope-reorder`). Groups of a tier go in the order their
+    files' names sort (the tests' order before they moved into folders by what they compare, tests/README.md), so a
+    module's folder does not change the schedule."""
+    items.sort(key=lambda item: item.path.name)  # stable: each file's tests stay in their collected order
     groups = {item.nodeid: _group(item) for item in items}
     heavy = {groups[item.nodeid] for item in items if item.get_closest_marker("heavy")}
     slow = {groups[item.nodeid] for item in items if item.get_closest_marker("slow")}
