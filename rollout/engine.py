@@ -34,7 +34,7 @@ import torch
 
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
-from rollout.vllm import records
+from rollout.vllm import compat, records
 from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
                               sample_seed)
 from rollout.vllm.plugin import WEIGHT_BACKEND, hf_overrides
@@ -72,6 +72,7 @@ class RolloutEngine:
             raise RolloutError(f"RolloutEngine sets {', '.join(fixed)} itself (parity depends on them)")
         from vllm import LLM
 
+        compat.check_version()  # an unsupported vLLM stops here, before the engine starts its processes
         self.kernels = kernels
         model_cfg = load_model_config(checkpoint)
         if vision and model_cfg.vision is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from parity.config import ConfigError, TextConfig, read_config
 from parity.dspark import check_fits_target, parse_dspark_config
+from parity.kernels import platform_device, runs_triton
 
 METHODS = ("mtp", "dspark")
 MAX_SPECULATIVE_TOKENS = 5
@@ -38,8 +39,9 @@ def check_speculative(spec: Any, cfg: TextConfig, kernels: str, where: str = "sp
     checkpoint that is not Kimi K3; for `mtp` one without MTP layers (or a `model`), for `dspark` a missing `model` or a
     draft checkpoint that is unreadable or does not fit this target (`parity.dspark.check_fits_target`); or the Triton
     kernels (their chunked KDA state keeps no state per token for a rejection to resume from)."""
-    if kernels == "triton":
-        raise ConfigError(f"{where}: speculative decoding runs on the invariant or fast kernels, not the Triton kernels")
+    if runs_triton(kernels, platform_device()):
+        raise ConfigError(f"{where}: speculative decoding runs on the CPU's invariant or the fast kernels, not the Triton "
+                          "kernels (their chunked KDA state keeps no state per token for a rejection to resume from)")
     if not isinstance(spec, dict):
         raise ConfigError(f"{where}: a mapping with {', '.join(KEYS)}, got {spec!r}")
     unknown = sorted(set(spec) - set(KEYS))

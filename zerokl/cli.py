@@ -20,8 +20,11 @@ from zerokl.ppo import cli as ppo_cli
 from zerokl.tasks import RewardError
 from rollout.sampling import RolloutError
 from parity.io.checkpoint import CheckpointError, init_checkpoint
+from parity.patching import UnsupportedVersion
 
-USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError, RewardError, RolloutError)
+# a user's mistake, or an installed dependency release zerokl's patches were not written for (UnsupportedVersion)
+USER_ERRORS = (ConfigError, CheckpointError, DumpError, AdapterError, FileNotFoundError, RewardError, RolloutError,
+               UnsupportedVersion)
 
 
 def _progress(msg: str) -> None:

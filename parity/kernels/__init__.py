@@ -19,7 +19,7 @@ import torch
 
 from parity.kernels.registry import FAST, FAST_GROUPED, INVARIANT, KERNEL_SETS, Kernels
 
-__all__ = ["KERNEL_SETS", "FAST", "INVARIANT", "Kernels", "get_kernels", "runs_triton"]
+__all__ = ["KERNEL_SETS", "FAST", "INVARIANT", "Kernels", "get_kernels", "platform_device", "runs_triton"]
 
 
 def get_kernels(name: str) -> Kernels:
@@ -53,3 +53,9 @@ def runs_triton(name: str, device: torch.device) -> bool:
     on CUDA (`get_kernels`). Their GEMM adds its own fixed K segments and their routed experts are one grouped op,
     which is what a tensor- or expert-parallel split has to follow."""
     return name == "triton" or (name == "invariant" and device.type == "cuda")
+
+
+def platform_device() -> torch.device:
+    """The device this machine computes on: its GPU where CUDA is available, else the CPU (an engine's tensors, and
+    so which kernels `runs_triton` picks for it)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

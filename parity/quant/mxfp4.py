@@ -19,6 +19,7 @@ into fp32 masters and re-quantised by the sync is the checkpoint.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from parity.patching import require
 from parity.quant.bf16 import mark_bf16_valued
 from parity.quant.ste import straight_through
 
@@ -38,6 +40,9 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
+COMPRESSED_TENSORS = ("0.17.0",)  # the release whose helpers file `_fp4_helpers` loads by path
+
+
 @functools.cache
 def _fp4_helpers() -> ModuleType:
     """compressed-tensors' E2M1 pack / unpack helpers (`compressors/nvfp4/helpers.py`, which imports torch only),
@@ -46,6 +51,8 @@ def _fp4_helpers() -> ModuleType:
     spec = importlib.util.find_spec("compressed_tensors")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("MXFP4 needs compressed-tensors (pip install compressed-tensors==0.17.0)")
+    require("compressed-tensors", importlib.metadata.version("compressed-tensors"), COMPRESSED_TENSORS,
+            "parity.quant.mxfp4's reading of compressors/nvfp4/helpers.py")
     path = Path(next(iter(spec.submodule_search_locations))) / "compressors" / "nvfp4" / "helpers.py"
     module_spec = importlib.util.spec_from_file_location("zerokl_compressed_tensors_fp4_helpers", path)
     assert module_spec is not None and module_spec.loader is not None

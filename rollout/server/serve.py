@@ -39,6 +39,7 @@ from parity.config import ConfigError, TextConfig, load_model_config
 from parity.io.chat_format import ChatError, chat_tokenizer
 from parity.kernels import KERNEL_SETS, get_kernels
 from rollout.server.lora import LORA_ROOT_ENV
+from rollout.vllm import compat
 from rollout.vllm.plugin import WEIGHT_BACKEND, hf_overrides
 from rollout.speculative import parse_speculative, vllm_speculative_config
 
@@ -201,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError) as e:
         print(f"zerokl: error: {e}", file=sys.stderr)
         return 2
+    compat.check_version()  # an unsupported vLLM stops here, not inside the server's worker
     argv = serve_argv(args.checkpoint, args.kernels, args.host, args.port, extra, cfg.model_type, cfg.text.torch_dtype,
                       lora, cfg.vision is not None, args.sync_vision_tower)
     os.execve(argv[0], argv, {**os.environ, **serve_env(lora)})

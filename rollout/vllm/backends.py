@@ -37,7 +37,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCache
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each request's tokens sit in this step's flat token list (CPU tensors, one row per request)."""
+    """Where each request's tokens sit in this step's flat token list (tensors on the engine's device, one row per
+    request)."""
 
     query_start: torch.Tensor  # [R + 1] int64
     seq_lens: torch.Tensor  # [R] int64: tokens of the request after this step
@@ -55,8 +56,7 @@ class StepLayout:
     @classmethod
     def from_common(cls, common: CommonAttentionMetadata) -> StepLayout:
         r = common.num_reqs
-        return cls(common.query_start_loc_cpu[: r + 1].long(), common.seq_lens[:r].cpu().long(),
-                   common.num_actual_tokens)
+        return cls(common.query_start_loc[: r + 1].long(), common.seq_lens[:r].long(), common.num_actual_tokens)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from parity.config import TextConfig
-from parity.kernels import Kernels
+from parity.kernels import Kernels, platform_device, runs_triton
 from parity.caches import KDACache
 from parity.kernels.attention import gather_paged
 from rollout.generate.paged_pool import attend_paged, index_entry_size, pack_index, sparse_attend_paged, unpack_index
@@ -182,7 +182,7 @@ class KDAStateLayer(nn.Module, MambaBase):
     def __init__(self, cfg: TextConfig, kernels: str, prefix: str, vllm_config: VllmConfig):
         super().__init__()
         self.cfg = cfg
-        self.chunked = kernels == "triton"
+        self.chunked = runs_triton(kernels, platform_device())
         self.pairs = vllm_config.num_speculative_tokens + 1
         self.shapes = kda_state_shapes(cfg, kernels, self.pairs)
         self.state_shape = (cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim)  # one recurrent state
@@ -317,11 +317,12 @@ def kda_state_shapes(cfg: TextConfig, kernels: str, pairs: int = 1) -> tuple[tup
     the step end as int32 bits)."""
     d, h = cfg.kda_head_dim, cfg.kda_num_heads
     conv = (cfg.conv_kernel - 1, 3 * cfg.kda_proj_size)
+    chunked = runs_triton(kernels, platform_device())  # the Triton kernels' chunked KDA state
     if pairs > 1:
-        if kernels == "triton":
+        if chunked:
             raise ValueError("speculative decoding runs on the invariant or fast kernels, not the Triton kernels")
         return (pairs, *conv), (pairs * h * d * d + 1,)
-    if kernels != "triton":
+    if not chunked:
         return conv, (h, d, d)
     from parity.kernels.triton.kda import CHUNK
 

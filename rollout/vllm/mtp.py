@@ -74,6 +74,11 @@ class ZeroKLK3MTP(nn.Module):
                 spec_step_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat tokens [N] with the hidden states [N, D] that predicted them -> ([N, D], [N, D]) in the compute dtype
         (zeros on padding and in vLLM's dummy runs). Draft step `spec_step_idx` uses layer `spec_step_idx % n`."""
+        with torch.device(input_ids.device):  # the step's index and scratch tensors live where its tokens do
+            return self._forward(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+                 inputs_embeds: torch.Tensor | None, spec_step_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.cfg.hidden_size
         normed = torch.zeros(input_ids.shape[0], d, dtype=self.cfg.compute_dtype)
         out = torch.zeros_like(normed)

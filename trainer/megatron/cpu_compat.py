@@ -25,6 +25,8 @@ from megatron.core.distributed import param_and_grad_buffer
 from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import mappings
 
+from parity.patching import require
+
 _CPU_TYPE_AS_CUDA = {"torch.FloatTensor": "torch.cuda.FloatTensor"}
 
 
@@ -97,10 +99,17 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 
+WRITTEN_FOR = ("0.16.1",)  # the megatron-core release the PATCHES' lines are read from
+
+
 def apply() -> list[str]:
-    """Wrap every `PATCHES` entry once (idempotent) when no GPU is present; returns what is patched."""
+    """Wrap every `PATCHES` entry once (idempotent) when no GPU is present, after checking the installed megatron-core
+    is the release they were written for (`parity.patching.require`); returns what is patched."""
     if torch.cuda.is_available():
         return []
+    from megatron.core import __version__
+
+    require("megatron-core", __version__, WRITTEN_FOR, "trainer.megatron.cpu_compat")
     for p in PATCHES:
         current = p.owner.__dict__[p.attr]
         is_static = isinstance(current, staticmethod)
