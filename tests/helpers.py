@@ -33,8 +33,8 @@ K3_LORA_ARGS = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 PPO_REFERENCE_STEPS = 16
 PPO_REFERENCE_CONFIG = "configs/ppo-tiny-mxfp4.yaml"  # the run the PPO modules compare with
 PPO_REFERENCE_CHECKPOINTS = (2, 4)
-# "ok" lines tests/dist/trainer_parallel.py prints on success (two modules run it: test_trainer_parallel.py and
-# test_kimi_linear_engines.py)
+# "ok" lines tests/dist/trainer_parallel.py prints on success (two modules run it:
+# tests/trainers/test_trainer_parallel.py and tests/engines/test_kimi_linear_engines.py)
 TRAINER_PARALLEL_CHECKS = 8
 
 

@@ -1,4 +1,5 @@
-"""torchrun worker for tests/test_trainer_deepspeed_dist.py: the DeepSpeed trainer at ZeRO-3 on one or two CPU ranks.
+"""torchrun worker for tests/trainers/test_trainer_deepspeed_dist.py: the DeepSpeed trainer at ZeRO-3 on one or two CPU
+ranks.
 
 Run: torchrun --nproc_per_node 2 tests/dist/deepspeed_zero.py --checkpoint DIR --adapter DIR --out FILE
 Every parameter is partitioned (persistence threshold 0). Every rank scores and trains on the same batches

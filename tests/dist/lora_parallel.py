@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_lora_parallel.py: the K3 trainer with a LoRA adapter at TP/EP = 2 against the
+"""torchrun worker for tests/trainers/test_lora_parallel.py: the K3 trainer with a LoRA adapter at TP/EP = 2 against the
 one-process shared forward with `K3Weights.lora`.
 
 Run: torchrun --nproc_per_node 2 tests/dist/lora_parallel.py --tp 2 --ep 2 --checkpoint DIR --out DIR [--kernels K]

@@ -1,4 +1,5 @@
-"""torchrun worker for tests/test_trainer_parallel.py: the K3 trainer at TP/EP > 1 against the one-process forward.
+"""torchrun worker for tests/trainers/test_trainer_parallel.py: the K3 trainer at TP/EP > 1 against the one-process
+forward.
 
 Run: torchrun --nproc_per_node 2 tests/dist/trainer_parallel.py --tp 2 --ep 1 --checkpoint DIR --out DIR
 Each check prints one line; any failure raises (non-zero exit). Data: with DP > 1 (EP runs) every rank scores

@@ -1,0 +1,871 @@
+"""The Triton parity kernels: the CPU suite's invariance properties (bits, `torch.equal`) and agreement
+with the CPU kernels / float64 references (tolerances), on two platforms:
+
+- `interp`: the Triton interpreter on CPU tensors at small shapes (runs in CI, no GPU needed), in a
+  child process started with `TRITON_INTERPRET=1` (`test_interpreter_suite`), so the rest of the test
+  session never sees the variable.
+- `cuda`: the compiled kernels on the GPU (`pytest -m gpu`; skipped cleanly without CUDA), plus bf16
+  shapes and the whole K3 forward scored in one pass vs generated token by token through a paged cache.
+
+Bits are compared within one platform only (CPU bits need not equal GPU bits).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import assert_bits
+from parity.kernels import FAST, INVARIANT, Kernels
+from parity.kernels.attention import gather_paged
+from parity.kernels.linear import LoRA
+from parity.kernels.moe import experts_combine, experts_stacked
+from parity.kernels.primitives import sigmoid
+
+pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
+
+CUDA = torch.cuda.is_available()
+# Triton decides interpreter vs compiler when it is first imported (its own library functions are
+# decorated then), so the interpreter suite runs in a child process started with TRITON_INTERPRET=1.
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+SETTINGS = settings(max_examples=6, deadline=None, derandomize=True)
+FEW = settings(max_examples=4, deadline=None, derandomize=True)  # KDA / MoE: several launches per example
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str
+    mod: ModuleType  # the parity.kernels.triton package
+    dev: str
+
+    @property
+    def k(self) -> Kernels:
+        return self.mod.TRITON
+
+    def t(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dev)
+
+
+def _platform(name: str) -> Platform:
+    import parity.kernels.triton as mod
+
+    assert mod.linear.INTERPRET is (name == "interp")
+    return Platform(name, mod, "cpu" if name == "interp" else "cuda")
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param("interp", id="interp", marks=pytest.mark.skipif(
+        not INTERP, reason="runs in the interpreter child process (test_interpreter_suite)")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA or INTERP, reason="needs CUDA")]),
+])
+def p(request: pytest.FixtureRequest) -> Platform:
+    return _platform(request.param)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Platform:
+    if not CUDA or INTERP:
+        pytest.skip("needs CUDA")
+    return _platform("cuda")
+
+
+@pytest.mark.skipif(INTERP or CUDA, reason="the interpreter suite runs on machines without CUDA")
+def test_interpreter_suite() -> None:
+    """Every `[interp]` test of this file, in a child process with TRITON_INTERPRET=1 (CPU tensors)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-k", "interp",
+                          "-p", "no:cacheprovider"], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-3000:]
+
+
+def close(a: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(a.double().cpu(), ref.double().cpu(), rtol=tol, atol=tol)
+
+
+def _embed_row(row: torch.Tensor, batch: int, pos: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, *row.shape, generator=g, dtype=row.dtype)
+    x[pos] = row
+    return x
+
+
+def test_interpreted_dots_never_call_the_host_blas(p: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter every dot of every kernel is an explicit fp32 product and sum: numpy's
+    `matmul` (the host BLAS, whose row bits depend on the row's place in the matrix and on the CPU) is
+    never called, so the invariances below hold on any CPU."""
+    if p.name != "interp":
+        pytest.skip("interpreter only")
+    import numpy as np
+
+    def host_blas(*args, **kwargs):
+        raise AssertionError("an interpreted kernel called numpy.matmul")
+
+    monkeypatch.setattr(np, "matmul", host_blas)
+    x, w = torch.randn(5, 64), torch.randn(40, 64)
+    p.k.linear(x, w, LoRA(torch.randn(4, 64), torch.randn(40, 4), 0.5))
+    q, k, v = torch.randn(1, 20, 2, 32), torch.randn(1, 20, 2, 32), torch.randn(1, 20, 2, 32)
+    p.k.attention(q, k, v, torch.arange(20).view(1, 20), torch.tensor([20]), 0.2)
+    _run_kda(p, _kda_inputs(1, 70), slice(0, 70), torch.zeros(1, 2, 16, 16))
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    _moe(p, torch.randn(6, lat), torch.randn(6, e), torch.zeros(e), w1, w3, w2)
+
+
+# --- linear ---------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(batch=st.integers(1, 150), data=st.data(), k=st.sampled_from([24, 96, 256]), n=st.sampled_from([8, 96, 200]))
+def test_linear_row_invariant(p: Platform, batch: int, data: st.DataObject, k: int, n: int) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    w = p.t(torch.randn(n, k))
+    row = torch.randn(k)
+    alone = p.k.linear(p.t(row.unsqueeze(0)), w)[0]
+    inside = p.k.linear(p.t(_embed_row(row, batch, pos, batch * 7 + pos)), w)[pos]
+    assert_bits(alone, inside)
+
+
+def test_linear_lora_row_invariant_and_reference(p: Platform) -> None:
+    w, lora = torch.randn(96, 64), LoRA(torch.randn(4, 64), torch.randn(96, 4), 0.5)
+    x = torch.randn(70, 64)
+    lora_d = LoRA(p.t(lora.a), p.t(lora.b), lora.scale)
+    full = p.k.linear(p.t(x), p.t(w), lora_d)
+    for i in (0, 5, 69):
+        assert_bits(p.k.linear(p.t(x[i : i + 1]), p.t(w), lora_d)[0], full[i])
+    ref = x.double() @ w.double().t() + 0.5 * (x.double() @ lora.a.double().t()) @ lora.b.double().t()
+    close(full, ref, 1e-4)
+
+
+def test_linear_both_code_paths_row_invariant(p: Platform) -> None:
+    """Pointer and TMA-descriptor loads, one or three K segments (bf16, small tiles): a row alone (the
+    split path: one program per K segment, the last to arrive adds the segment sums in order) equals the same row
+    of a 200-row product (the fused path), call after call, and every call leaves the arrival counters at zero."""
+    lin = p.mod.linear
+    x, w = torch.randn(200, 192).bfloat16(), torch.randn(48, 192).bfloat16()
+    assert 200 > lin.SPLIT_MAX_M
+    for tma in (False, True):
+        for n_seg in (1, 3):
+            cfg = lin.GemmConfig(32, 32, 32, 4, 4, 2, tma=tma, k_segments=n_seg)
+            assert lin.segments(192, cfg) == (n_seg, 192 // n_seg)
+            full = lin.matmul(p.t(x), p.t(w), config=cfg)
+            for i in (0, 31, 32, 199):
+                assert_bits(lin.matmul(p.t(x[i : i + 1]), p.t(w), config=cfg)[0], full[i])
+            for _ in range(5):  # the arrival order of the segments changes from call to call, the bits may not
+                assert_bits(lin.matmul(p.t(x[:70]), p.t(w), config=cfg), full[:70])
+            close(full.float(), x.double() @ w.double().t(), 0.1)
+    assert not lin.arrival_counters(full.device, 1).any()
+    lora = LoRA(p.t(torch.randn(4, 192).bfloat16()), p.t(torch.randn(48, 4).bfloat16()), 0.5)
+    cfg = lin.GemmConfig(32, 32, 32, 4, 4, 2, k_segments=3)
+    t = lin.matmul(p.t(x), lora.a, config=cfg)
+    full = lin.matmul(p.t(x), p.t(w), t, lora.b, 0.5, config=cfg)
+    assert_bits(lin.matmul(p.t(x[7:8]), p.t(w), t[7:8].clone(), lora.b, 0.5, config=cfg)[0], full[7])
+
+
+# --- row-wise ops ---------------------------------------------------------------------------------
+
+@SETTINGS
+@given(batch=st.integers(1, 70), data=st.data(), d=st.sampled_from([32, 100, 256]))
+def test_rowwise_ops_row_invariant(p: Platform, batch: int, data: st.DataObject, d: int) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    k = p.k
+    w = p.t(torch.randn(d))
+    row, gate = torch.randn(d), torch.randn(d)
+    xs, gs = p.t(_embed_row(row, batch, pos, 1 + pos)), p.t(_embed_row(gate, batch, pos, 2 + pos))
+    r1, g1 = xs[pos : pos + 1].clone(), gs[pos : pos + 1].clone()
+    assert_bits(k.rmsnorm(r1, w, 1e-6)[0], k.rmsnorm(xs, w, 1e-6)[pos])
+    assert_bits(k.gated_rmsnorm(r1, g1, w, 1e-6)[0], k.gated_rmsnorm(xs, gs, w, 1e-6)[pos])
+    assert_bits(k.l2norm(r1)[0], k.l2norm(xs)[pos])
+    assert_bits(k.situ_glu(r1, g1, 4.0, 25.0)[0], k.situ_glu(xs, gs, 4.0, 25.0)[pos])
+    assert_bits(k.silu_glu(r1, g1)[0], k.silu_glu(xs, gs)[pos])
+    assert_bits(k.sigmoid(r1)[0], k.sigmoid(xs)[pos])
+    logits = xs * 3
+    tokens = p.t(torch.randint(0, d, (batch,)))
+    assert_bits(k.token_logprobs(logits[pos : pos + 1].clone(), tokens[pos : pos + 1], 0.7)[0],
+                k.token_logprobs(logits, tokens, 0.7)[pos])
+
+
+def test_rowwise_ops_match_float64(p: Platform) -> None:
+    x, g, w = torch.randn(9, 200), torch.randn(9, 200), torch.randn(200)
+    xd, gd, wd = x.double(), g.double(), w.double()
+    k = p.k
+    rms = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd
+    close(k.rmsnorm(p.t(x), p.t(w), 1e-6), rms, 1e-5)
+    close(k.gated_rmsnorm(p.t(x), p.t(g), p.t(w), 1e-6), rms * torch.sigmoid(gd), 1e-5)
+    close(k.l2norm(p.t(x)), xd / torch.sqrt(xd.pow(2).sum(-1, keepdim=True) + 1e-6), 1e-5)
+    for scale in (0.01, 1.0, 10.0):  # tanh's small-argument polynomial and its exp form
+        a, b = xd * scale, gd * scale * 10
+        situ = 4 * torch.tanh(a / 4) * torch.sigmoid(a) * 25 * torch.tanh(b / 25)
+        close(k.situ_glu(p.t(a.float()), p.t(b.float()), 4.0, 25.0), situ, 1e-5)
+        close(k.situ_glu(p.t(a.float()), p.t(b.float()), 4.0, None), 4 * torch.tanh(a / 4) * torch.sigmoid(a) * b, 1e-5)
+    close(k.silu_glu(p.t(x), p.t(g)), F.silu(xd) * gd, 1e-5)
+    toks = torch.randint(0, 200, (9,))
+    ref = torch.log_softmax(xd * 5 / 0.7, -1).gather(1, toks[:, None])[:, 0]
+    close(k.token_logprobs(p.t(x * 5), p.t(toks), 0.7), ref, 1e-5)
+    f, a_log, dt = torch.randn(3, 4, 8) * 5, torch.randn(4), torch.randn(4, 8)
+    for lb in (None, -5.0):
+        close(k.kda_gate(p.t(f), p.t(a_log), p.t(dt), lb), INVARIANT.kda_gate(f.double(), a_log.double(), dt.double(), lb),
+              1e-5)
+
+
+def test_logprobs_large_vocab_and_bf16(p: Platform) -> None:
+    """Several vocabulary blocks (V > 4096), fp32 and bf16 logits, one row alone vs in the batch."""
+    x = torch.randn(3, 9000) * 4
+    toks = torch.tensor([0, 4500, 8999])
+    for dt in (torch.float32, torch.bfloat16):
+        xs = p.t(x.to(dt))
+        full = p.k.token_logprobs(xs, p.t(toks), 1.3)
+        assert_bits(p.k.token_logprobs(xs[2:3].clone(), p.t(toks[2:3]), 1.3)[0], full[2])
+        ref = torch.log_softmax(x.to(dt).double() / 1.3, -1).gather(1, toks[:, None])[:, 0]
+        close(full, ref, 1e-5)
+
+
+def test_checksum_word_mix_equals_the_torch_form(p: Platform) -> None:
+    """The weight-sync checksum's one-pass kernel gives the torch form's sum mod 2^64 for any length (one and
+    several blocks, a partial last block), and `checksum` on the platform's tensor equals the CPU one."""
+    from parity.kernels.triton.checksum import BLOCK, word_mix_sum
+    from parity.sync import bundle
+
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 5):
+        w = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=g)
+        want = bundle._mix_sum(w, 0) & (2**64 - 1)
+        assert word_mix_sum(p.t(w), bundle._C1, bundle._C2, bundle._C3, bundle._C4) == want
+    for t in (torch.randn(37, 11, generator=g).bfloat16(), torch.randint(0, 255, (4099,), dtype=torch.uint8)):
+        assert bundle.checksum(p.t(t)) == bundle.checksum(t)
+
+
+def test_checksum_batches_equal_one_tensor_at_a_time(p: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many tensors in batched launches (tiny batches here, so a batch boundary falls between and after tensors):
+    each sum is the torch form's, empty and partial-block tensors included; `checksums` on the platform's tensors
+    equals `checksum` of each on the CPU."""
+    from parity.kernels.triton import checksum as kernel
+    from parity.sync import bundle
+
+    monkeypatch.setattr(kernel, "BATCH_BYTES", 3 * kernel.BLOCK * 8)
+    g = torch.Generator().manual_seed(4)
+    sizes = (5, 0, kernel.BLOCK + 3, 1, 2 * kernel.BLOCK, 7, 0, kernel.BLOCK - 1)
+    words = [torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=g) for n in sizes]
+    want = [bundle._mix_sum(w, 0) & (2**64 - 1) for w in words]
+    assert kernel.word_mix_sums([p.t(w) for w in words], bundle._C1, bundle._C2, bundle._C3, bundle._C4) == want
+    tensors = {f"t{i}": t for i, t in enumerate((torch.randn(37, 11, generator=g).bfloat16(), torch.zeros(0),
+                                                  torch.randint(0, 255, (4099,), dtype=torch.uint8),
+                                                  torch.randn(3, kernel.BLOCK + 1, generator=g)))}
+    assert bundle.checksums({n: p.t(t) for n, t in tensors.items()}) == {n: bundle.checksum(t) for n, t in tensors.items()}
+
+
+# --- short conv -----------------------------------------------------------------------------------
+
+@SETTINGS
+@given(t=st.integers(1, 40), data=st.data())
+def test_short_conv_any_split(p: Platform, t: int, data: st.DataObject) -> None:
+    d, width = 24, 4
+    w = torch.randn(d, width)
+    x = torch.randn(1, t, d)
+    zero = torch.zeros(1, width - 1, d)
+    full, full_state = p.k.short_conv(p.t(x), p.t(w), p.t(zero))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(t - 1, 1)), max_size=5)))) if t > 1 else []
+    outs, state, start = [], p.t(zero), 0
+    for end in cuts + [t]:
+        y, state = p.k.short_conv(p.t(x[:, start:end]), p.t(w), state)
+        outs.append(y)
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(state, full_state)
+    ref = F.silu(F.conv1d(F.pad(x.double().transpose(1, 2), (width - 1, 0)), w.double().unsqueeze(1), groups=d)).transpose(1, 2)
+    close(full, ref, 1e-5)
+
+
+# --- KDA ------------------------------------------------------------------------------------------
+
+def _kda_inputs(b: int, t: int, h: int = 2, dk: int = 16, dv: int = 16, seed: int = 0,
+                lower_bound: float | None = -5.0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = INVARIANT.l2norm(torch.randn(b, t, h, dk, generator=g))
+    k = INVARIANT.l2norm(torch.randn(b, t, h, dk, generator=g))
+    v = torch.randn(b, t, h, dv, generator=g)
+    gate = INVARIANT.kda_gate(torch.randn(b, t, h, dk, generator=g), torch.zeros(h), torch.zeros(h, dk), lower_bound)
+    beta = sigmoid(torch.randn(b, t, h, generator=g))
+    return q, k, v, gate, beta
+
+
+def _run_kda(p: Platform, ins: tuple[torch.Tensor, ...], sl: slice, state, valid: torch.Tensor | None = None):
+    q, k, v, g, beta = (p.t(x[:, sl]) for x in ins)
+    return p.k.kda(q, k, v, g, beta, 0.25, state, None if valid is None else p.t(valid))
+
+
+@FEW
+@given(t=st.integers(2, 130), data=st.data())
+def test_kda_any_schedule_and_resume(p: Platform, t: int, data: st.DataObject) -> None:
+    """Prefill chunks + decode steps at random split points (mid-chunk included), and resuming from a
+    saved state, give the one-pass bits (outputs and the boundary state)."""
+    ins = _kda_inputs(1, t, seed=t)
+    s0 = p.t(torch.zeros(1, 2, 16, 16))
+    full, s_full = _run_kda(p, ins, slice(0, t), s0)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, t - 1), min_size=1, max_size=4))))
+    outs, s, start, saved = [], s0, 0, {}
+    for end in cuts + [t]:
+        o, s = _run_kda(p, ins, slice(start, end), s)
+        outs.append(o)
+        saved[end] = s.clone()
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(s.state, s_full.state)
+    assert_bits(s.n, s_full.n)
+    mid = cuts[0]
+    o_resume, s_resume = _run_kda(p, ins, slice(mid, t), saved[mid])
+    assert_bits(o_resume, full[:, mid:])
+    assert_bits(s_resume.state, s_full.state)
+
+
+def test_kda_token_by_token_across_chunks(p: Platform) -> None:
+    """Decode one token at a time across two chunk boundaries (64, 128), chunked prefill between."""
+    t = 140
+    ins = _kda_inputs(1, t, seed=3)
+    s0 = p.t(torch.randn(1, 2, 16, 16) * 0.1)
+    full, s_full = _run_kda(p, ins, slice(0, t), s0)
+    o, s = _run_kda(p, ins, slice(0, 59), s0)
+    outs = [o]
+    steps = [*range(60, 70), 125, *range(126, 132), t]
+    start = 59
+    for end in steps:
+        o, s = _run_kda(p, ins, slice(start, end), s)
+        outs.append(o)
+        start = end
+    assert_bits(torch.cat(outs, 1), full)
+    assert_bits(s.state, s_full.state)
+
+
+@FEW
+@given(batch=st.integers(1, 4), data=st.data())
+def test_kda_batch_invariant_with_padding(p: Platform, batch: int, data: st.DataObject) -> None:
+    pos = data.draw(st.integers(0, batch - 1))
+    t = 70
+    ins = _kda_inputs(batch, t, seed=batch)
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, t), min_size=batch, max_size=batch)))
+    valid = torch.arange(t)[None] < lens[:, None]
+    s0 = torch.randn(batch, 2, 16, 16)
+    o, s = _run_kda(p, ins, slice(0, t), p.t(s0), valid)
+    n = int(lens[pos])
+    one = tuple(x[pos : pos + 1, :n] for x in ins)
+    o1, s1 = _run_kda(p, one, slice(0, n), p.t(s0[pos : pos + 1]))
+    assert_bits(o[pos : pos + 1, :n], o1)
+    assert_bits(s.state[pos : pos + 1], s1.state)
+    assert not o[pos, n:].any()
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_matches_float64_recurrence(p: Platform, lower_bound: float | None) -> None:
+    """Chunked outputs and state vs the float64 per-token recurrence; None: unbounded gates (strong decay
+    inside the 16-token diagonal blocks, handled element-wise)."""
+    t = 100
+    q, k, v, g, beta = _kda_inputs(2, t, dk=32, dv=16, lower_bound=lower_bound, seed=7)
+    if lower_bound is None:
+        g = g * 8  # decays down to exp(-40) per token
+    s0 = torch.randn(2, 2, 32, 16) * 0.1
+    o_ref, s_ref = FAST.kda(q.double(), k.double(), v.double(), g.double(), beta.double(), 0.25, s0.double())
+    o, s = p.k.kda(p.t(q), p.t(k), p.t(v), p.t(g), p.t(beta), 0.25, p.t(s0))
+    close(o, o_ref, 1e-4)
+    # the boundary state is the state after token 64
+    _, s64 = FAST.kda(q[:, :64].double(), k[:, :64].double(), v[:, :64].double(), g[:, :64].double(),
+                      beta[:, :64].double(), 0.25, s0.double())
+    close(s.state, s64, 1e-4)
+    assert s.n.tolist() == [t - 64, t - 64]
+
+
+# --- gradients ------------------------------------------------------------------------------------
+
+def test_gradients_are_the_invariant_backward_at_the_triton_forward(p: Platform) -> None:
+    """With a gradient needed, a Triton op returns its own forward bits and the gradient the CPU invariant op's
+    backward gives at the same inputs (linear with LoRA, chunked KDA, attention, the grouped experts against
+    `experts_stacked`, routing weights included): within fp32 round-off of the
+    invariant set's gradient (KDA's on CUDA from the chunked form, `kda_for_gradients`)."""
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(5, 40, generator=g), torch.randn(24, 40, generator=g)
+    a, b = torch.randn(4, 40, generator=g), torch.randn(24, 4, generator=g)
+    q, k, v, gate, beta = _kda_inputs(2, 70, seed=3)
+    qa, ka, va = (torch.randn(2, 30, 2, 16, generator=g) for _ in range(3))
+    pos, lens = torch.arange(30).expand(2, 30), torch.tensor([30, 17])
+    xe, (w1, w3, w2) = torch.randn(9, 32, generator=g), _experts(8, 32, 24)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3].sort().values for _ in range(9)])
+    wts = torch.rand(9, 3, generator=g)
+    cases = [
+        ("linear", lambda kk, x, w, a, b: kk.linear(x, w, LoRA(a, b, 0.5)), (x, w, a, b)),
+        ("kda", lambda kk, q, k, v, gate, beta: kk.kda(q, k, v, gate, beta, 0.25, torch.zeros_like(q[:, 0, :, :, None]
+                                                                                     * v[:, 0, :, None, :]))[0],
+         (q, k, v, gate, beta)),
+        ("attention", lambda kk, q, k, v: kk.attention(q, k, v, pos.to(q.device), lens.to(q.device), 0.3), (qa, ka, va)),
+        ("experts", lambda kk, x, wt, w1, w3, w2: (kk.experts or experts_stacked)(x, ids.to(x.device), wt, w1, w3, w2,
+                                                                                 "situ", 4.0, 25.0),
+         (xe, wts, w1, w3, w2)),
+    ]
+    for name, op, inputs in cases:
+        cot = torch.randn(op(INVARIANT, *inputs).shape, generator=g)
+        leaves = [p.t(t).requires_grad_() for t in inputs]
+        out = op(p.k, *leaves)
+        assert_bits(out.detach(), op(p.k, *(t.detach() for t in leaves)))  # the Triton forward's bits
+        got = torch.autograd.grad(out, leaves, p.t(cot))
+        ref_leaves = [t.clone().requires_grad_() for t in inputs]
+        ref = torch.autograd.grad(op(INVARIANT, *ref_leaves), ref_leaves, cot)
+        for i, (gt, rt) in enumerate(zip(got, ref)):
+            assert gt is not None, (name, i)
+            close(gt, rt, 2e-4)
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d,dv", [(48, 32), (288, 272)], ids=["narrow", "wide"])
+def test_attention_decode_equals_prefill_and_paged(p: Platform, d: int, dv: int) -> None:
+    """Decode = prefill, paged = gathered = contiguous, close to float64; wide: heads over 256 (K3's absorbed MLA,
+    576 / 512 at full size) take the D-chunked kernel."""
+    torch.manual_seed(0)
+    b, t, h = 2, 150, 2
+    q, k, v = torch.randn(b, t, h, d), torch.randn(b, t, h, d), torch.randn(b, t, h, dv)
+    pos = torch.arange(t).expand(b, t)
+    lens = torch.tensor([t, 97])
+    full = p.k.attention(p.t(q), p.t(k), p.t(v), p.t(pos), p.t(lens), 0.2)
+    for i in (0, 1, 63, 64, 96, 149):
+        if i >= int(lens[1]):
+            continue
+        one = p.k.attention(p.t(q[1:2, i : i + 1]), p.t(k[1:2, : i + 1]), p.t(v[1:2, : i + 1]),
+                            p.t(pos[1:2, i : i + 1]), p.t(torch.tensor([i + 1])), 0.2)
+        assert_bits(one[0, 0], full[1, i])
+    block = 16
+    nblk = -(-t // block)
+    perm = torch.randperm(nblk + 3)[:nblk]
+    cache_k = torch.full((nblk + 3, block, h, d), float("nan"))
+    cache_v = torch.full((nblk + 3, block, h, dv), float("nan"))
+    cache_k[perm] = F.pad(k[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, d)
+    cache_v[perm] = F.pad(v[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, h, dv)
+    cache_k[perm[-1], t % block :] = float("nan")
+    cache_v[perm[-1], t % block :] = float("nan")
+    table = perm.view(1, -1)
+    gathered = p.k.attention(p.t(q[:1]), p.t(gather_paged(cache_k, table)),
+                             p.t(gather_paged(cache_v, table)), p.t(pos[:1]), p.t(lens[:1]), 0.2)
+    assert_bits(gathered, full[:1])
+    paged = p.mod.attention_paged(p.t(q[:1]), p.t(cache_k), p.t(cache_v), p.t(table), p.t(pos[:1]), p.t(lens[:1]), 0.2)
+    assert_bits(paged, full[:1])
+    ref = FAST.attention(q.double(), k.double(), v.double(), pos, lens, 0.2)
+    close(full, ref, 1e-5)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 5), data=st.data())
+def test_attention_batch_invariant(p: Platform, batch: int, data: st.DataObject) -> None:
+    i = data.draw(st.integers(0, batch - 1))
+    t = data.draw(st.integers(1, 80))
+    g = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(batch, 80, 2, 32, generator=g) for _ in range(3))
+    lens = torch.tensor(data.draw(st.lists(st.integers(1, 80), min_size=batch, max_size=batch)))
+    lens[i] = t
+    pos = torch.arange(80).expand(batch, 80).clamp(max=lens[:, None] - 1)
+    full = p.k.attention(p.t(q), p.t(k), p.t(v), p.t(pos), p.t(lens), 0.3)
+    alone = p.k.attention(p.t(q[i : i + 1, :t]), p.t(k[i : i + 1, :t]), p.t(v[i : i + 1, :t]), p.t(pos[i : i + 1, :t]),
+                          p.t(lens[i : i + 1]), 0.3)
+    assert_bits(alone[0], full[i, :t])
+
+
+# --- DSA indexer: scores and sparse attention -------------------------------------------------------
+
+def _fp8_rounded(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    from parity.quant import fp8
+
+    return fp8.round_trip_scaled(torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_index_scores_any_schedule_and_close_to_cpu(p: Platform, dtype: torch.dtype) -> None:
+    """A query's scores are the same bits scored with its whole batch (3 rows of 24 queries at positions 116-139 over
+    up to 140 keys, across the 128-key tile), alone as decode (one query, its own cache length) and with fewer
+    queries; -inf exactly where a key is not visible; close to the CPU invariant op."""
+    b, t, s, nh, d = 3, 24, 140, 4, 32
+    q, keys = _fp8_rounded(b, t, nh, d, seed=1, dtype=dtype), _fp8_rounded(b, s, d, seed=2, dtype=dtype)
+    w = torch.randn(b, t, nh, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(s - t, s).expand(b, t)
+    lens = torch.tensor([s, 130, 125])
+    full = p.k.index_scores(p.t(q), p.t(w), p.t(keys), p.t(pos), p.t(lens)).cpu()
+    key_pos = torch.arange(s).view(1, 1, s)
+    assert torch.equal(torch.isinf(full), ~((key_pos <= pos.unsqueeze(-1)) & (key_pos < lens.view(b, 1, 1))))
+    for row, i in ((0, 23), (0, 12), (1, 11), (2, 0)):
+        n = int(min(int(pos[row, i]) + 1, lens[row]))
+        one = p.k.index_scores(p.t(q[row : row + 1, i : i + 1]), p.t(w[row : row + 1, i : i + 1]),
+                               p.t(keys[row : row + 1, :n]), p.t(pos[row : row + 1, i : i + 1]), p.t(torch.tensor([n])))
+        assert_bits(one[0, 0].cpu(), full[row, i, :n])
+    few = p.k.index_scores(p.t(q[1:2, 10:14]), p.t(w[1:2, 10:14]), p.t(keys[1:2]), p.t(pos[1:2, 10:14]), p.t(lens[1:2]))
+    assert_bits(few[0].cpu(), full[1, 10:14])
+    ref = INVARIANT.index_scores(q, w, keys, pos, lens)
+    finite = torch.isfinite(ref)
+    close(full[finite], ref[finite], 1e-5)
+
+
+def _selection(t: int, count_cap: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query t of one row: `count_cap` random positions of 0..t ascending (all of them when t < count_cap),
+    padded with 0 -> (selected [1, T, K], count [1, T])."""
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.zeros(1, t, count_cap, dtype=torch.long)
+    count = torch.zeros(1, t, dtype=torch.long)
+    for i in range(t):
+        keep = torch.arange(i + 1) if i < count_cap else torch.randperm(i + 1, generator=g)[:count_cap].sort().values
+        sel[0, i, : len(keep)] = keep
+        count[0, i] = len(keep)
+    return sel, count
+
+
+@pytest.mark.parametrize("l,values", [(96, 64), (288, 256)], ids=["narrow", "wide"])
+def test_sparse_attention_is_dense_when_all_selected_and_paged_in_place(p: Platform, l: int, values: int) -> None:
+    """Sparse MLA attention, for queries on both sides of the 64- and 128-key tile edges of a 150-token row: with
+    every visible position selected, the dense attention's bits (the model's layout: rows (token, head), one latent key
+    head); over a selection of 70, paged latents (shuffled blocks, NaN elsewhere) read in place give the contiguous
+    bits, a token alone gives its batch's bits, and the result is close to the CPU invariant op's."""
+    torch.manual_seed(0)
+    t, h, cap = 150, 4, 70
+    q, lat = torch.randn(1, t, h, l), torch.randn(1, t, 1, l)
+    pos = torch.arange(t).view(1, t)
+    some = torch.tensor([0, 63, 64, 69, 70, 127, 128, 149])  # the queries checked (the kernel runs one per token)
+    everything = torch.arange(t).expand(1, t, t).clamp(max=pos.unsqueeze(-1))[:, some].contiguous()
+    sparse_all = p.k.sparse_attention(p.t(q[:, some]), p.t(lat), p.t(everything), p.t(some.view(1, -1) + 1), values,
+                                      0.1)
+    dense = p.k.attention(p.t(q.reshape(1, t * h, 1, l)), p.t(lat), p.t(lat[..., :values]),
+                          p.t(pos.repeat_interleave(h, dim=1)), p.t(torch.tensor([t])), 0.1).view(1, t, h, values)
+    assert_bits(sparse_all, dense[:, some])
+    sel, count = _selection(t, cap, seed=1)
+    sel, count = sel[:, some].contiguous(), count[:, some].contiguous()
+    got = p.k.sparse_attention(p.t(q[:, some]), p.t(lat), p.t(sel), p.t(count), values, 0.1)
+    block = 16
+    nblk = -(-t // block)
+    perm = torch.randperm(nblk + 3)[:nblk]
+    pages = torch.full((nblk + 3, block, 1, l), float("nan"))
+    pages[perm] = F.pad(lat[0], (0, 0, 0, 0, 0, nblk * block - t)).view(nblk, block, 1, l)
+    pages[perm[-1], t % block :] = float("nan")
+    paged = p.k.sparse_attention_paged(p.t(q[:, some]), p.t(pages), p.t(perm.view(1, -1)), p.t(sel), p.t(count),
+                                       values, 0.1)
+    assert_bits(paged, got)
+    for j in (0, 4, 7):
+        one = p.k.sparse_attention(p.t(q[:, some[j] : some[j] + 1]), p.t(lat), p.t(sel[:, j : j + 1]),
+                                   p.t(count[:, j : j + 1]), values, 0.1)
+        assert_bits(one[0, 0], got[0, j])
+    close(got, INVARIANT.sparse_attention(q[:, some], lat, sel, count, values, 0.1), 1e-5)
+
+
+# --- AttnRes --------------------------------------------------------------------------------------
+
+def test_attn_res_mix_row_invariant_and_reference(p: Platform) -> None:
+    """A token's mix is the same alone and at any place in a batch of several programs' rows."""
+    c = torch.randn(131, 4, 64)
+    nw, pw = torch.randn(64), torch.randn(64)
+    full = p.k.attn_res_mix(p.t(c), p.t(nw), p.t(pw), 1e-6)
+    for i in (0, 7, 63, 64, 130):
+        assert_bits(p.k.attn_res_mix(p.t(c[i : i + 1]), p.t(nw), p.t(pw), 1e-6)[0], full[i])
+    cd = c.double()
+    s = (cd * torch.rsqrt(cd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()) @ pw.double()
+    close(full, (torch.softmax(s, -1).unsqueeze(-1) * cd).sum(1), 1e-5)
+
+
+# --- MoE ------------------------------------------------------------------------------------------
+
+def _experts(e: int, lat: int, inter: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(e, inter, lat, generator=g) / 8, torch.randn(e, inter, lat, generator=g) / 8,
+            torch.randn(e, lat, inter, generator=g) / 8)
+
+
+def _moe(p: Platform, x, logits, bias, w1, w3, w2):
+    ids, w = p.k.route(p.t(logits), p.t(bias), 4, True, 2.5, "sigmoid")
+    return ids, p.mod.experts(p.t(x), ids, w, p.t(w1), p.t(w3), p.t(w2), "situ", 4.0, 25.0)
+
+
+@FEW
+@given(batch=st.integers(1, 70), data=st.data())
+def test_moe_token_invariant_with_ties(p: Platform, batch: int, data: st.DataObject) -> None:
+    """A token's routing and output are the same whatever other tokens share the batch, ties included."""
+    pos = data.draw(st.integers(0, batch - 1))
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, lat, generator=g)
+    logits = torch.randn(batch, e, generator=g)
+    logits[pos, :8] = 0.5
+    logits[pos, 8:] = -1.0 - logits[pos, 8:].abs()
+    bias = torch.zeros(e)
+    ids, out = _moe(p, x, logits, bias, w1, w3, w2)
+    ids1, out1 = _moe(p, x[pos : pos + 1], logits[pos : pos + 1], bias, w1, w3, w2)
+    assert_bits(ids[pos], ids1[0])
+    assert ids1[0].tolist() == [0, 1, 2, 3]
+    assert_bits(out[pos], out1[0])
+
+
+def test_moe_matches_cpu_kernels(p: Platform) -> None:
+    e, lat = 16, 32
+    w1, w3, w2 = _experts(e, lat, 24)
+    x, logits, bias = torch.randn(9, lat), torch.randn(9, e), torch.randn(e) * 0.1
+    ids, out = _moe(p, x, logits, bias, w1, w3, w2)
+    ids_c, w_c = INVARIANT.route(logits, bias, 4, True, 2.5, "sigmoid")
+    assert torch.equal(ids.cpu(), ids_c)
+    act = lambda a, b: INVARIANT.situ_glu(a, b, 4.0, 25.0)  # noqa: E731
+    ref = experts_combine(x, ids_c, w_c, list(w1), list(w3), list(w2), INVARIANT.linear, act)
+    close(out, ref, 1e-5)
+
+
+def test_moe_mxfp4_experts_have_the_bits_of_their_bf16_values(p: Platform) -> None:
+    """The grouped expert GEMMs on packed MXFP4 experts (dequantised inside both GEMM kernels) equal, bit for bit, the
+    same op on the bf16 values of those weights; a token's output does not depend on the other tokens; with fp32
+    activations, the op on the weights' fp32 values."""
+    from parity.quant import mxfp4
+    from parity.quant.mxfp4 import MXFP4Weight
+
+    e, lat, inter = 8, 64, 96
+    g = torch.Generator().manual_seed(5)
+    packed = [[mxfp4.quantize(torch.randn(*shape, generator=g) * shape[1] ** -0.5) for _ in range(e)]
+              for shape in ((inter, lat), (inter, lat), (lat, inter))]
+    stacked = [MXFP4Weight(p.t(w.packed), p.t(w.scale)) for w in map(MXFP4Weight.stack, packed)]
+    dense = [w.dequantize(torch.bfloat16) for w in stacked]
+    x = torch.randn(37, lat, generator=g).bfloat16()
+    ids, w = p.k.route(p.t(torch.randn(37, e, generator=g)), p.t(torch.zeros(e)), 4, True, 2.5, "sigmoid")
+    out = p.mod.experts(p.t(x), ids, w, *stacked)
+    assert_bits(out, p.mod.experts(p.t(x), ids, w, *dense))
+    assert_bits(out[20:21], p.mod.experts(p.t(x[20:21]), ids[20:21], w[20:21], *stacked))
+    x32 = p.t(x.float())  # fp32 activations (an fp32 model with MXFP4 experts): the fp32 values of the weights
+    assert_bits(p.mod.experts(x32, ids, w, *stacked), p.mod.experts(x32, ids, w, *(d.float() for d in dense)))
+
+
+# --- GPU only: bf16 at model widths ---------------------------------------------------------------
+
+def _mxfp4_weight(n: int, k: int, seed: int):
+    from parity.quant import mxfp4
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * (2.0 ** torch.randint(-8, 8, (n, 1), generator=g))
+    w[0] = 0.0  # a zero group: scale byte 0 (2^-127)
+    return mxfp4.quantize(w)
+
+
+def test_linear_mxfp4_has_the_bits_of_bf16_on_its_dequantised_weight(p: Platform) -> None:
+    """Packed MXFP4 weights dequantised inside the GEMM kernel: every row's bits equal the bf16 GEMM on the
+    dequantised weight (same tiles, K order and MMAs), on both launch paths (decode split and fused), with LoRA, and
+    rows stay batch-invariant. Tiny E8M0 scales (bf16 subnormal values) included."""
+    from parity.quant.mxfp4 import MXFP4Weight
+
+    for n, k, seed in ((48, 96, 1), (40, 64, 2)) if p.name == "interp" else ((1024, 384, 1), (384, 1024, 2)):
+        q = _mxfp4_weight(n, k, seed)
+        q = MXFP4Weight(p.t(q.packed), p.t(torch.cat([q.scale[:, :1].clamp(max=3), q.scale[:, 1:]], dim=1)))
+        dense = q.dequantize(torch.bfloat16)
+        lora = LoRA(p.t(torch.randn(4, k).bfloat16()), p.t(torch.randn(n, 4).bfloat16()), 0.5)
+        for m in ((1, 5, 17, 130) if p.name == "interp" else (1, 7, 64, 129, 700)):
+            x = p.t(torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16())
+            assert_bits(p.k.linear(x, q), p.k.linear(x, dense))
+            assert_bits(p.k.linear(x, q, lora), p.k.linear(x, dense, lora))
+            assert_bits(p.k.linear(x[-1:], q), p.k.linear(x, q)[-1:])
+
+
+def test_mixed_dtype_operands_follow_the_cpu_contract(p: Platform) -> None:
+    """The bf16 model's cast points on the Triton kernels: fp32 activations on a bf16 weight (router), bf16
+    activations on fp32 conv weights and a bf16 gate input with fp32 parameters (KDA), bf16 v with fp32 q / k: the
+    narrower operand is upcast exactly and the output has the CPU kernel's dtype (bf16 outputs within one bf16
+    rounding of the fp32 run: the interpreter's float-to-bf16 conversion is not torch's)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(24, 64, generator=g).bfloat16()
+    x = torch.randn(9, 64, generator=g)
+    assert_bits(p.k.linear(p.t(x), p.t(w)), p.k.linear(p.t(x), p.t(w.float())))
+    xc = torch.randn(2, 11, 48, generator=g).bfloat16()
+    wc, state = torch.randn(48, 4, generator=g), torch.zeros(2, 3, 48).bfloat16()
+    y, new = p.k.short_conv(p.t(xc), p.t(wc), p.t(state))
+    y32, _ = p.k.short_conv(p.t(xc.float()), p.t(wc), p.t(state.float()))
+    assert y.dtype == new.dtype == torch.bfloat16 and torch.equal(new, p.t(torch.cat([state, xc], 1)[:, -3:]))
+    close(y, y32, 2**-7)
+    f = torch.randn(2, 5, 2, 16, generator=g).bfloat16()
+    gate = p.k.kda_gate(p.t(f), p.t(torch.randn(2, generator=g)), p.t(torch.randn(2, 16, generator=g)), -5.0)
+    assert gate.dtype == torch.float32
+    q, k = (F.normalize(torch.randn(1, 20, 2, 32, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(1, 20, 2, 32, generator=g).bfloat16()
+    beta = torch.rand(1, 20, 2, generator=g)
+    lg = -torch.rand(1, 20, 2, 32, generator=g)
+    o, _ = p.k.kda(p.t(q), p.t(k), p.t(v), p.t(lg), p.t(beta), 0.2, p.t(torch.zeros(1, 2, 32, 32)))
+    o32, _ = p.k.kda(p.t(q), p.t(k), p.t(v.float()), p.t(lg), p.t(beta), 0.2, p.t(torch.zeros(1, 2, 32, 32)))
+    assert o.dtype == torch.bfloat16
+    close(o, o32, 2**-7)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_bf16_rows_equal_at_every_m(gpu: Platform) -> None:
+    """bf16 GEMM at K3 widths: rows of M = 1 .. 4096 (64-row tile on the split-K-segment path up to
+    SPLIT_MAX_M rows, 128-row tile fused above) equal the same rows of the M = 4096 product; with a LoRA
+    term too; (200, 100) runs the pointer-load path."""
+    for n, k in ((7168, 7168), (4096, 4096), (1024, 384), (200, 100)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        full = gpu.k.linear(x, w)
+        for m in (1, 3, 16, 33, 64, 128, 129, 1000):
+            assert_bits(gpu.k.linear(x[-m:].clone(), w), full[-m:])
+        close(full[:64].float(), x[:64].double() @ w.double().t(), 0.1 * k**0.5 / 8)
+        lora = LoRA(torch.randn(16, k, device="cuda", dtype=torch.bfloat16) / k**0.5,
+                    torch.randn(n, 16, device="cuda", dtype=torch.bfloat16), 0.5)
+        full = gpu.k.linear(x, w, lora)
+        for m in (1, 64, 1000):
+            assert_bits(gpu.k.linear(x[-m:].clone(), w, lora), full[-m:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(7168, 7168), (4096, 4096), (12288, 7168), (1024, 384), (384, 1024), (200, 100)])
+def test_gpu_linear_decode_and_prefill_tiles_bit_equal(gpu: Platform, n: int, k: int) -> None:
+    """The tile `gemm_config` picks for M <= SPLIT_MAX_M (64 rows) and the one it picks above (128 rows)
+    give the same bits on all 4096 rows of one product (both on the fused path), so choosing by M cannot
+    move a row; (200, 100) has unaligned rows and runs the pointer-load path."""
+    lin = gpu.mod.linear
+    dec = lin.gemm_config(n, k, torch.bfloat16, 1)
+    pre = lin.gemm_config(n, k, torch.bfloat16, 4096)
+    assert dec.block_m != pre.block_m and dec.block_k == pre.block_k and dec.k_segments == pre.k_segments
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    assert_bits(lin.matmul(x, w, config=dec), lin.matmul(x, w, config=pre))
+
+
+@pytest.mark.gpu
+def test_gpu_linear_split_path_repeatable(gpu: Platform) -> None:
+    """The decode shapes' split path (one program per tile and K segment, the last arriver adds the sums in order)
+    at K3 width, called back to back: every call has the bits of the fused path's rows (M = 4096), whichever
+    segment arrives last, and the arrival counters are back at zero after each launch."""
+    lin = gpu.mod.linear
+    n = k = 7168
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+    x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    full = lin.matmul(x, w)
+    for m in (1, 64, 128):
+        assert lin.segments(k, lin.gemm_config(n, k, torch.bfloat16, m))[0] > 1 and m <= lin.SPLIT_MAX_M
+        outs = [lin.matmul(x[:m], w) for _ in range(50)]
+        for y in outs:
+            assert_bits(y, full[:m])
+    assert not lin.arrival_counters(x.device, 1).any()
+
+
+@pytest.mark.gpu
+def test_gpu_kda_bf16_prefill_equals_decode(gpu: Platform) -> None:
+    """bf16 KDA at K3 head size (d = 128): one pass = prefill 1000 + decode; and close to float64."""
+    t, h, d = 1100, 4, 128
+    q, k, v, g, beta = _kda_inputs(1, t, h=h, dk=d, dv=d, seed=11)
+    ins = tuple(x.cuda().bfloat16() if x is not g else x.cuda() for x in (q, k, v, g, beta))
+    s0 = torch.zeros(1, h, d, d, device="cuda")
+    full, s_full = gpu.k.kda(*ins, d**-0.5, s0)
+    o1, s = gpu.k.kda(*(x[:, :1000] for x in ins), d**-0.5, s0)
+    outs = [o1]
+    for i in range(1000, 1040):
+        o, s = gpu.k.kda(*(x[:, i : i + 1] for x in ins), d**-0.5, s)
+        outs.append(o)
+    assert_bits(torch.cat(outs, 1), full[:, :1040])
+    ref, _ = FAST.kda(*(x.double().cpu() for x in ins[:4]), ins[4].double().cpu(), d**-0.5, s0.double().cpu())
+    assert (full.double().cpu() - ref).abs().max() < 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_attention_bf16_decode_equals_prefill(gpu: Platform) -> None:
+    b, t, h, d, dv = 1, 1000, 8, 192, 128
+    q, k = (torch.randn(b, t, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(b, t, h, dv, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(t, device="cuda").view(1, -1)
+    lens = torch.tensor([t], device="cuda")
+    full = gpu.k.attention(q, k, v, pos, lens, d**-0.5)
+    for i in (0, 63, 64, 500, 999):
+        one = gpu.k.attention(q[:, i : i + 1], k[:, : i + 1], v[:, : i + 1], pos[:, i : i + 1],
+                              torch.tensor([i + 1], device="cuda"), d**-0.5)
+        assert_bits(one[0, 0], full[0, i])
+
+
+# --- GPU only: the whole K3 forward ---------------------------------------------------------------
+
+def _k3_tiny_model(config: str) -> tuple:
+    """(config, random official weights, seed 0) of k3-tiny in fp32 ('k3-tiny'), or a config in its bf16 numerics."""
+    import dataclasses
+
+    from parity.config import load_model_config
+    from parity.io.checkpoint import random_weights
+
+    cfg = load_model_config(f"configs/{config}.yaml")
+    if config == "k3-tiny":
+        cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, torch_dtype="float32"))
+    return cfg, random_weights(cfg, seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4", "k3.1-tiny"])
+def test_gpu_k3_forward_one_pass_equals_paged_decode(gpu: Platform, config: str) -> None:
+    """k3-tiny on the GPU kernels, in fp32 and in K3's numerics (k3-tiny-mxfp4: bf16, MXFP4 experts dequantised
+    inside the GEMM, an FP8 paged latent pool; k3.1-tiny: that with the DSA indexer, its FP8 index keys in the pool
+    beside the latents, each query attending its 16 best positions of up to 150): sequences scored in one batched
+    pass equal, bit for bit, the same sequences generated token by token (prefill split, then decode) through a paged
+    MLA cache and the chunked KDA state; in fp32 they agree with the CPU invariant forward within fp32 round-off."""
+    from parity.caches import MLACache, new_cache
+    from parity.model import K3Forward, K3Weights, score_sequences
+    from rollout.generate.paged_pool import PagedLatentPool
+
+    cfg, official = _k3_tiny_model(config)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(4, 1024, (n,), generator=g).tolist() for n in (150, 97, 40)]
+    cpu_lp = score_sequences(K3Forward(K3Weights.from_official(cfg.text, official), INVARIANT), seqs[2:])[0]
+    with torch.device("cuda"):
+        fwd = K3Forward(K3Weights.from_official(cfg.text, {n: t.cuda() for n, t in official.items()}), gpu.k)
+        batched = score_sequences(fwd, seqs)
+        for seq, split in ((seqs[0], 37), (seqs[1], 70)):
+            caches = [PagedLatentPool.for_config(cfg.text, 1, 16, 24, "cuda") if isinstance(c, MLACache) else c
+                      for c in new_cache(cfg.text, 1)]
+            out, start = [], 0
+            for end in [split, *range(split + 1, len(seq) + 1)]:
+                ids = torch.tensor([seq[start:end]])
+                pos = torch.arange(start, end).view(1, -1)
+                hidden = fwd.hidden(ids, pos, torch.tensor([end - start]), caches)
+                n_lp = end - start if end < len(seq) else end - start - 1
+                logits = fwd.logits(hidden[0, :n_lp])
+                out.append(fwd.token_logprobs(logits, torch.tensor(seq[start + 1 : start + 1 + n_lp]), 1.0))
+                start = end
+            assert_bits(torch.cat(out), batched[seqs.index(seq)])
+    if cfg.text.compute_dtype == torch.float32:  # bf16 rounding, amplified by a random model, has no such bound
+        close(batched[2], cpu_lp, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["k3-tiny", "k3-tiny-mxfp4", "k3.1-tiny"])
+def test_gpu_graphed_decode_equals_eager(gpu: Platform, config: str) -> None:
+    """Batched decode captured in a CUDA graph (`rollout.generate.decode_graph`) gives the eager step's logits bit for bit,
+    step after step, over a paged latent pool and the chunked KDA state (rows of different lengths; decode crosses a
+    64-token KDA chunk boundary), in fp32 and in K3's numerics (bf16, MXFP4 experts, FP8 latents; k3.1-tiny: with
+    the DSA indexer, contexts past its top-k)."""
+    from parity.caches import MLACache, new_cache
+    from parity.model import K3Forward, K3Weights
+    from rollout.generate.decode_graph import GraphedDecode
+    from rollout.generate.paged_pool import PagedLatentPool
+
+    cfg, official = _k3_tiny_model(config)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(4, 1024, (n,), generator=g).tolist() for n in (60, 33, 5)]
+    steps = 8
+    with torch.device("cuda"):
+        fwd = K3Forward(K3Weights.from_official(cfg.text, {n: t.cuda() for n, t in official.items()}), gpu.k)
+
+        def prefilled() -> tuple[list, torch.Tensor]:
+            caches = [PagedLatentPool.for_config(cfg.text, 3, 16, 6, "cuda") if isinstance(c, MLACache) else c
+                      for c in new_cache(cfg.text, 3)]
+            lens = torch.tensor([len(p) for p in prompts])
+            ids = torch.tensor([p + [0] * (60 - len(p)) for p in prompts])
+            hidden = fwd.hidden(ids, torch.arange(60).expand(3, -1), lens, caches)
+            return caches, fwd.logits(hidden[torch.arange(3), lens - 1])
+
+        tokens = torch.randint(4, 1024, (steps, 3, 1), generator=torch.Generator().manual_seed(5), device="cpu")
+        caches, first = prefilled()
+        eager = [first]
+        for i in range(steps):
+            pos = torch.tensor([[len(p) + i] for p in prompts])
+            eager.append(fwd.logits(fwd.hidden(tokens[i].cuda(), pos, torch.ones(3, dtype=torch.long), caches)[:, 0]))
+        caches, first = prefilled()
+        graph = GraphedDecode(fwd, caches, 3)
+        replayed = [first] + [graph.step(tokens[i].cuda(), torch.tensor([[len(p) + i] for p in prompts])).clone()
+                              for i in range(steps)]
+    for a, b in zip(eager, replayed):
+        assert_bits(b, a)
