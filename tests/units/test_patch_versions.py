@@ -14,7 +14,7 @@ import pytest
 from parity import patching
 from parity.patching import UnsupportedVersion
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
