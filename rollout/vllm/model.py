@@ -232,7 +232,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         if records is not None:
             records.layout = layout
         routing = None if records is None or not self.cfg.num_moe_layers else torch.full(
-            (input_ids.shape[0], *records.shape), NOT_COMPUTED, dtype=torch.int32)
+            (input_ids.shape[0], *records.shape), NOT_COMPUTED, dtype=torch.int32, device="cpu")  # as recorded
         for group in StepGroup.split(layout, self.verify_rows):
             ids = self.adapters.row_ids(self.lora_manager, group.token_index[:, 0])
             for lora_id in ids.unique().tolist():
@@ -241,7 +241,8 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
                     self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out,
                               inputs_embeds, aux)
                 if routing is not None:  # [B, T, k] per MoE layer -> the group's flat tokens
-                    routing[part.token_index[part.valid]] = torch.stack(recorded, dim=2)[part.valid].int()
+                    valid = part.valid.cpu()
+                    routing[part.token_index.cpu()[valid]] = torch.stack(recorded, dim=2)[valid].int()
         if routing is not None:
             records.add_routing(layout, positions, routing)
         return result

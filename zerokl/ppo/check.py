@@ -74,7 +74,8 @@ def kept_logprobs(text: Any, weights: dict[str, torch.Tensor], kernels: str, ste
     with torch.no_grad():
         lp, raw = padded_logprobs(fwd, step.batch.input_ids, step.batch.lens, sampling, raw=True,
                                   images=step.batch.images)
-    return lp.gather(1, step.index), raw.gather(1, step.index)
+    index = step.index.to(lp.device)
+    return lp.gather(1, index), raw.gather(1, index)
 
 
 def diagnosis(report: dict[str, Any], samples: list[Any], text: Any, weights: dict[str, torch.Tensor],

@@ -37,4 +37,4 @@ def reference_logprobs(reference: K3Forward | None, step: StepBatch, sampling: A
         images = step.batch.images
         lp = padded_logprobs(reference, step.batch.input_ids, step.batch.lens, sampling,
                              images=encoder.rows(images) if isinstance(images, ImageInputs) else images)
-    return lp.gather(1, step.index)
+    return lp.gather(1, step.index.to(lp.device))

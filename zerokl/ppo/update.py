@@ -112,11 +112,12 @@ class Update:
                 recompute = True
                 lp, raw = kept()
             elif gae_pass:  # the old-log-prob pass, with the old values
-                lp, raw, values = (x.gather(1, step.index)
+                lp, raw, values = (x.gather(1, step.index.to(x.device))
                                    for x in self.backend.logprobs_raw_and_values(step.batch, cfg.sampling))
                 self.targets.from_values(values)
             elif recompute:  # the old-log-prob pass: every sample at the generating version, before any update
-                lp, raw = (x.gather(1, step.index) for x in self.backend.logprobs_and_raw(step.batch, cfg.sampling))
+                lp, raw = (x.gather(1, step.index.to(x.device))
+                           for x in self.backend.logprobs_and_raw(step.batch, cfg.sampling))
         if recompute:
             check(self.report, step, lp, raw, torch.arange(len(step)), per_sequence(log, step.batch.lens),
                   cfg.on_mismatch)
@@ -139,7 +140,7 @@ class Update:
             checking = "parity" not in self.report  # the step's first update runs at the generating version: its
             with record_routing() if checking else nullcontext() as log:  # rows' check, once its last pass is in,
                 outs = forward(model, sub, cfg.sampling, raw=True)
-                lp, raw, ent, *value = (x.gather(1, step.index[rows]) for x in outs)
+                lp, raw, ent, *value = (x.gather(1, step.index[rows].to(x.device)) for x in outs)
             if checking:  # before its optimizer step
                 self._first_update_pass(lp, raw, rows, per_sequence(log, sub.lens), len(minibatch))
             if cfg.logprobs_mode == "raw_logprobs":  # the loss's log-probs (the old ones are the same kind)
