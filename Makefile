@@ -27,7 +27,7 @@ demo: install
 PYTEST_WORKERS ?= 2
 # Each worker's torch takes an equal share of the cores (at least 1): OpenMP threads of two workers oversubscribing two
 # cores spin against each other (measured: a suite of 19.4 min ran in 14.2 with one thread per worker). The parity
-# kernels' bits do not depend on the thread count (tests/test_kernels.py).
+# kernels' bits do not depend on the thread count (tests/invariance/test_kernels.py).
 test: export OMP_NUM_THREADS ?= $(shell n=$$(( $$(nproc) / $(PYTEST_WORKERS) )); echo $$(( n > 0 ? n : 1 )))
 
 test: install

@@ -1,5 +1,5 @@
 """Image preprocessing for K3's vision tower, from the checkpoint's `preprocessor_config.json`; one function for both
-engines (the rollout model's inputs are checked against it, `tests/test_vision.py`).
+engines (the rollout model's inputs are checked against it, `tests/fidelity/test_vision_fidelity.py`).
 
 The scheme is K3's (`vllm/transformers_utils/processors/kimi_k25_vision_fused.py`, `KimiK25FusedVisionProcessor`, and
 `vllm/models/kimi_k3/common/mm_preprocess.py`): scale the image down (never up) so that it has at most

@@ -13,7 +13,7 @@ otherwise treats the trailing `M mod 4` rows differently); the segment partials 
 (adjacent pairs, level by level).
 That rows inside a tile are independent of their position in it, and columns of the width of the matrix, are
 properties of the BLAS micro-kernel, not of this code: observed for MKL's paths on AVX2 and AVX-512 CPUs
-(`tests/test_kernels.py` runs the properties on each path the host has) and checked on any machine by
+(`tests/invariance/test_kernels.py` runs the properties on each path the host has) and checked on any machine by
 `zerokl parity kernels` (`parity/host_check.py`).
 
 Tensor parallelism: a contiguous, aligned block of segments is a subtree of the pairwise sum, so a rank that holds

@@ -3,7 +3,7 @@
 The invariant form is exactly the arithmetic of vLLM's sampler in `processed_logprobs` mode: divide the
 fp32 logits by the temperature as an fp32 value, then `log_softmax` over the vocabulary. ATen reduces
 each contiguous row of `log_softmax` with the same loop whatever the number of rows
-(`tests/test_kernels.py` checks a row alone against the same row in batches), so the rollout engine's
+(`tests/invariance/test_kernels.py` checks a row alone against the same row in batches), so the rollout engine's
 sampler and the trainer produce the same bits from the same logits.
 
 With truncation (`Sampling`: min_p, top-k, top-p) the distribution sampled from is the renormalised truncated one,

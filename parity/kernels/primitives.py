@@ -2,7 +2,7 @@
 
 On CPU, ATen evaluates an element-wise op with a SIMD loop plus a scalar tail loop. For `exp`, `log`,
 `log1p`, `expm1`, `tanh`, `sqrt` and `rsqrt` both loops give the same bits (observed, not guaranteed:
-`test_primitives_are_layout_invariant` in tests/test_kernels.py on every ATen SIMD level the host has,
+`test_primitives_are_layout_invariant` in tests/invariance/test_kernels.py on every ATen SIMD level the host has,
 and `zerokl parity kernels` on any machine); for `sigmoid`, `silu` and `softplus` they do
 not (about 5% of values differ by an ulp between a lone element and the same element inside a large
 tensor). So the invariant kernels build those from the safe set with IEEE-exact `+ - * /`.

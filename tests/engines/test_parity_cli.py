@@ -4,7 +4,7 @@ compute, MXFP4 routed experts with a quantisation-aware trainer, FP8 MLA latents
 Check (invariant kernels): every sampled log-prob bitwise equal for batched and alone rollouts, which also
 agree with each other; the HTML report renders a real plot. Fast kernels: a non-zero max |d| and exit 1, with a
 diagnosis. Prefix-cache hits over the FP8 latents keep the bits. Selftest: one-ulp (of bf16) rollout-side
-perturbations detected and localised (2 trials here; the README reports a 20-trial run). The command runs in-process
+perturbations detected and localised (2 trials here; docs/parity.md reports a 20-trial run). The command runs in-process
 (`zerokl.cli.main`, what the console script calls; tests/units/test_cli.py runs the script itself), before the module's
 shared `Checker` exists: one Megatron trainer per process at a time."""
 

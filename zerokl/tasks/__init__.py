@@ -9,7 +9,7 @@ higher/lower feedback), `calculator` (`calculator`: a question with a calculator
 (`jsonl`): a user's JSONL dataset with a user or builtin reward function. An agent task has `episode(problem)` instead
 of `reward` (`zerokl.tasks.agent`). A problem with images (`zerokl.tasks.vision.ImageProblem`) carries them beside its
 prompt. Add one by writing such a class, its `__init__` keyword arguments typed (they are the task's `task_args`), and
-registering it in `TASKS` (README "Adding a task").
+registering it in `TASKS` (docs/ppo.md, "Adding a task").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ AVX2 vs AVX-512). `mma` there forms the fp32 products and sums them along K with
 for every output element, so interpreted kernels keep their invariances on any CPU. (It also computes
 bf16 operands in fp32: triton 3.9's interpreter multiplies bf16 bit patterns as integers.) Triton
 decorates its own library at its first import too, so a process is either interpreted or compiled
-throughout (tests/test_kernels_triton.py runs the interpreter suite in a child process).
+throughout (tests/invariance/test_kernels_triton.py runs the interpreter suite in a child process).
 Row counts are passed with `do_not_specialize`, so M = 1 and M = 4096 run the same compiled code.
 """
 

@@ -9,7 +9,7 @@ op; what is saved per op is its inputs, as activation checkpointing saves them.
 
 Invariant: the gradient is a function of the op's inputs alone (the backward op is deterministic for fixed
 shapes), so two runs of one step give the same gradient bits. It is not the gradient of the Triton forward's
-exact bits, only of the same function (the forward's two readings agree to round-off; tests/test_kernels_triton.py).
+exact bits, only of the same function (the forward's two readings agree to round-off; tests/invariance/test_kernels_triton.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 is eight element-wise passes with int64 temporaries (about 16 bytes of memory traffic per byte hashed); this kernel
 reads each word once and writes one partial sum per program. Integer addition mod 2^64 is exact and order-free, so
 the total equals the torch form's bit for bit, whatever the block size or the order the partial sums are added in
-(tests/test_kernels_triton.py checks it under the interpreter and on CUDA). Many tensors go in batches: one launch
+(tests/invariance/test_kernels_triton.py checks it under the interpreter and on CUDA). Many tensors go in batches: one launch
 and one read-back per batch, not per tensor (a weight sync has thousands of tensors).
 """
 

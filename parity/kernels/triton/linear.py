@@ -16,7 +16,7 @@ Tile shapes: `gemm_config(n, k, dtype, m)` picks a 64-row tile for M <= `SPLIT_M
 tile above (bf16). Both share BLOCK_K and the segment rule, and on Hopper both issue the same
 per-warpgroup `wgmma m64nNk16` sequence for a given row (the tile's rows and columns only change how
 many such instructions run side by side), so the choice cannot move a row's bits;
-tests/test_kernels_triton.py::test_gpu_linear_decode_and_prefill_tiles_bit_equal checks every pair the
+tests/invariance/test_kernels_triton.py::test_gpu_linear_decode_and_prefill_tiles_bit_equal checks every pair the
 table can pick with `torch.equal` over all 4096 rows, and the M = 1 ... 1000 row test crosses the switch.
 The LoRA term is a second GEMM t = x A^T (stored in x's dtype) and a rank-R dot in the epilogue,
 added as `base + (t B^T) * scale` like the CPU kernel.
@@ -28,7 +28,7 @@ MXFP4 weights (`parity.quant.mxfp4.MXFP4Weight`: uint8 E2M1 code pairs and E8M0 
 pointer kernel and dequantised in registers to bf16, exactly (bits built from the code and scale, subnormals
 included), then fed to the same MMA sequence as a bf16 weight of those values: the tile, K order and segments are
 the bf16 config's, so an MXFP4 GEMM has the bits of the bf16 GEMM of the dequantised weight
-(tests/test_kernels_triton.py checks `torch.equal`). Mixed operand dtypes (fp32 router activations on a bf16
+(tests/invariance/test_kernels_triton.py checks `torch.equal`). Mixed operand dtypes (fp32 router activations on a bf16
 weight) upcast the bf16 operand exactly and run the fp32 GEMM, as the CPU kernel does.
 """
 
