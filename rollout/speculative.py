@@ -68,6 +68,10 @@ def check_speculative(spec: Any, cfg: TextConfig, kernels: str, where: str = "sp
         if not cfg.num_nextn_predict_layers:
             raise ConfigError(f"{where}: method 'mtp' drafts with the checkpoint's MTP layers, and this checkpoint has "
                               "none (text_config.num_nextn_predict_layers is 0)")
+        layers = cfg.num_nextn_predict_layers
+        if n % layers:
+            raise ConfigError(f"{where}: num_speculative_tokens {n} must be a multiple of the checkpoint's {layers} MTP "
+                              f"layers (vLLM's MTP proposer runs them in turn, each draft round all {layers})")
         return out
     draft = spec.get("model")
     if not isinstance(draft, str) or not draft:

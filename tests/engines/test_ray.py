@@ -67,7 +67,7 @@ def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path
     # Ray's memory monitor kills a worker when the whole host passes 95% of its memory, which the suite's other
     # worker (its own engines and servers) can push it to on a 24 GiB machine: off for this cluster
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     groups: list[int | None] = []
     try:
         with log.open("w") as console:
@@ -81,6 +81,7 @@ def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path
                 assert time.time() < deadline, "no step in 600 s: " + log.read_text()[-4000:]
                 time.sleep(0.5)
             urls = re.search(r"rollout servers on Ray: (\S+), (\S+)", log.read_text()).groups()
+            assert all(u.startswith("http://127.0.0.1:") for u in urls), urls  # one node: loopback only
             groups = [server_group(u, out) for u in urls]
             assert None not in groups, (urls, groups, log.read_text()[-4000:])
             os.killpg(groups[1], signal.SIGKILL)  # the second server dies after step 0

@@ -113,8 +113,17 @@ def test_ppo_with_mtp_drafts_keeps_zero_kl(k3_tiny_mxfp4: Path, tmp_path: Path) 
 
 
 def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path, kimi_linear_tiny: Path,
-                                              capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+                                              capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
     """One `zerokl: error:` line, exit 2, before any engine or trainer starts."""
+    two_mtp = tmp_path / "two-mtp"  # a config with two MTP layers (the checks read the config and tokenizer alone)
+    two_mtp.mkdir()
+    for f in k3_tiny_mxfp4.iterdir():
+        if f.suffix == ".json":
+            (two_mtp / f.name).write_bytes(f.read_bytes())
+    config = json.loads((k3_tiny_mxfp4 / "config.json").read_text())
+    config["text_config"]["num_nextn_predict_layers"] = 2
+    (two_mtp / "config.json").write_text(json.dumps(config))
     cases = [(k3_tiny_mxfp4, "{method: mtp}", "not JSON"),
              (k3_tiny_mxfp4, '["mtp"]', "a JSON object"),
              (k3_tiny_mxfp4, '{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of mtp, dspark"),
@@ -127,6 +136,8 @@ def test_bad_speculative_settings_are_refused(k3_tiny_mxfp4: Path, k3_tiny: Path
              (k3_tiny_mxfp4, f'{{"method": "dspark", "num_speculative_tokens": 2, "model": "{k3_tiny}"}}',
               "model_type must be 'k3_dspark'"),
              (k3_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "num_nextn_predict_layers is 0"),
+             (two_mtp, '{"method": "mtp", "num_speculative_tokens": 3}',
+              "num_speculative_tokens 3 must be a multiple of the checkpoint's 2 MTP layers"),
              (kimi_linear_tiny, '{"method": "mtp", "num_speculative_tokens": 2}', "this one is kimi_linear")]
     for ckpt, spec, message in cases:
         assert main(["parity", "check", "--model", str(ckpt), "--speculative", spec]) == 2, spec

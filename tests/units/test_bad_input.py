@@ -266,3 +266,36 @@ def test_resume_into_another_run_is_refused(key: str, value: str, ppo_reference:
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), "--resume", str(ppo_reference.out)],
                 capsys, str(ppo_reference.out / "checkpoints" / "step-4"), f"run with {key}:")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("key", "value", "flag", "says"), [
+    ("steps", "3.5", ["--steps", "1"], "steps must be an integer, got 3.5"),
+    ("kernels", "turbo", ["--kernels", "invariant"], "kernels must be one of"),
+    ("on_mismatch", "ignore", ["--on-mismatch", "warn"], "on_mismatch must be one of"),
+    ("wandb", "cloud", ["--wandb", "disabled"], "wandb must be one of"),
+    ("backend", "jax", ["--backend", "megatron"], "backend must be one of"),
+])
+def test_a_config_value_a_flag_overrides_is_still_checked(key: str, value: str, flag: list[str], says: str,
+                                                          k3_tiny: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The file is validated whole as it stands before the flags override it: a bad value in it is refused even
+    where a flag replaces it (the same file alone is refused too, by the test above)."""
+    config = _ppo_config(tmp_path, k3_tiny, **{key: value})
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), *flag], capsys, str(config), says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ray_without_a_cluster_is_one_line(k3_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`--ray ADDRESS` where no Ray cluster answers: `ray.init`'s ConnectionError becomes a `zerokl: error:` line (Ray's
+    own wait for an absent head takes minutes, so its answer is stood in for here)."""
+    import ray
+
+    def no_cluster(**kwargs: object) -> None:
+        raise ConnectionError(f"Could not find any running Ray instance at {kwargs.get('address')}")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    config = _ppo_config(tmp_path, k3_tiny)
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), "--ray", "10.0.0.1:6379"], capsys,
+                "--ray 10.0.0.1:6379: no Ray cluster answers", "ray start --head")

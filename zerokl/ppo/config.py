@@ -352,7 +352,8 @@ def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
 
 
 def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
-    """Read YAML, reject unknown keys (naming them), apply CLI overrides that are not None."""
+    """Read YAML, reject unknown keys (naming them), validate the file whole as it stands, then apply the command
+    line's overrides that are not None and validate the result (a value a flag overrides is still checked)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"ppo config not found: {p}")
@@ -363,7 +364,13 @@ def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    raw.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = _parsed(p, dict(raw))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return _parsed(p, {**raw, **given}) if given else cfg
+
+
+def _parsed(p: Path, raw: dict[str, Any]) -> PPOConfig:
+    """The config the mapping `raw` (read from `p`) describes, or ConfigError naming `p` and the bad key."""
     floats = {f.name for f in fields(PPOConfig) if str(f.type).removesuffix(" | None") == "float"}
     for key in floats & raw.keys():
         if isinstance(raw[key], str) and _FLOAT_TEXT.fullmatch(raw[key].strip()):

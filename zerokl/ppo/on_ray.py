@@ -7,7 +7,9 @@ on its node (all interfaces, a free port) and stops it with itself; each trainer
 the ordinary `zerokl ppo` loop against the servers' URLs (`rollout_servers`), ranks meeting over torch.distributed at
 rank 0's node. Rollouts, the zero-KL check and the weight sync (`sync: torch_distributed` reaches servers on any node)
 are those of `rollout.client.remote`. Every node must see the checkpoint and the run directory at the same paths (a shared
-filesystem). The servers, the actors and the placement group are removed however the run ends.
+filesystem). The servers, the actors and the placement group are removed however the run ends. On a cluster of one
+node (a laptop, a test, CI) every connection stays on the loopback: servers listen on and are announced as 127.0.0.1,
+the trainer ranks meet there; on several nodes they listen on every interface and are announced by node address.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ class RolloutServerActor:
     """A `zerokl serve` server on this actor's node, for as long as the actor lives."""
 
     def __init__(self, checkpoint: str, kernels: str, engine_args: dict[str, Any], log_dir: str,
-                 lora: LoraServing | None, vision_synced: bool):
+                 lora: LoraServing | None, vision_synced: bool, local: bool):
         import ray
 
         from rollout.client.local_servers import LocalServers
 
-        self.servers = LocalServers(checkpoint, 1, Path(log_dir), kernels, engine_args, host="0.0.0.0", lora=lora,
-                                    vision_synced=vision_synced)
-        self.address = self.servers.urls[0].replace("127.0.0.1", ray.util.get_node_ip_address())
+        self.servers = LocalServers(checkpoint, 1, Path(log_dir), kernels, engine_args,
+                                    host="127.0.0.1" if local else "0.0.0.0", lora=lora, vision_synced=vision_synced)
+        self.address = self.servers.urls[0] if local else \
+            self.servers.urls[0].replace("127.0.0.1", ray.util.get_node_ip_address())
 
     def url(self) -> str:
         return self.address
@@ -50,12 +53,15 @@ class RolloutServerActor:
 class TrainerActor:
     """One trainer rank: `zerokl ppo`'s loop in this actor's process."""
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port on it (rank 0's: where the ranks meet)."""
+    def rendezvous(self, local: bool) -> tuple[str, int]:
+        """This node's address (the loopback on a one-node cluster) and a free port on it (rank 0's: where the ranks
+        meet)."""
         import ray
 
         from parity.sync.group import free_port
 
+        if local:
+            return "127.0.0.1", free_port("127.0.0.1")
         return ray.util.get_node_ip_address(), free_port("0.0.0.0")
 
     def run(self, train: Callable[[PPOConfig, Path, str | None], int], cfg: PPOConfig, out: str, resume: str | None,
@@ -82,7 +88,12 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
         raise ConfigError("--ray starts its own rollout servers (--num-rollout-servers N); drop rollout_servers")
     servers = cfg.num_rollout_servers
     if not ray.is_initialized():
-        ray.init(address=address)
+        try:
+            ray.init(address=address)
+        except ConnectionError as e:
+            raise ConfigError(f"--ray {address}: no Ray cluster answers ({e}); start one (`ray start --head`) or give "
+                              "its address") from None
+    local = len([n for n in ray.nodes() if n["Alive"]]) == 1  # every actor on this one node: loopback only
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     unit = {"CPU": 1.0, **({"GPU": 1.0} if gpus else {})}
     checkpoint = base_checkpoint(cfg, out)
@@ -102,14 +113,14 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
 
         rollout += [place(RolloutServerActor, k, checkpoint=str(checkpoint), kernels=cfg.kernels,
                           engine_args=engine_args_for(cfg), log_dir=str(out / "servers" / f"server-{k}"), lora=lora,
-                          vision_synced=cfg.vision_tower == "trainable")
+                          vision_synced=cfg.vision_tower == "trainable", local=local)
                     for k in range(servers)]
         urls = ray.get([a.url.remote() for a in rollout])
         print(f"rollout servers on Ray: {', '.join(urls)}", flush=True)
         trainers += [place(TrainerActor, servers + r) for r in range(ranks)]
         env: dict[str, str] = {}
         if ranks > 1:
-            host, port = ray.get(trainers[0].rendezvous.remote())
+            host, port = ray.get(trainers[0].rendezvous.remote(local))
             env = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": host,
                    "MASTER_PORT": str(port)}
         run = replace(cfg, rollout_servers=list(urls), num_rollout_servers=0)
