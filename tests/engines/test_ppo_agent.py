@@ -5,11 +5,15 @@ hang or answer nonsense end their trajectory, never the run."""
 
 from __future__ import annotations
 
+import multiprocessing
 import re
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ import torch
 from helpers import assert_resumes_bitwise, assert_zero_kl_step
 from parity.config import ConfigError
 from zerokl.ppo.config import load_ppo_config
+from zerokl.ppo.environments import Environment, Recipe
 from zerokl.ppo.episodes import Limits, TextDialogue, run_episodes
 from zerokl.ppo.loop import PPORun
 from zerokl.tasks import Problem, make_task
@@ -35,37 +40,70 @@ def _fake_generate(prompts: list[list[int]], n: int, max_tokens: int, record: bo
                             cached_tokens=len(p) - 3) for p in prompts]
 
 
-class _Echo:
-    def __init__(self, turns: int):
-        self.left = turns
+# Test environments as a user writes them (`task: env`): each class is a task whose episode misbehaves its own way.
+ENVIRONMENTS = """
+import time
 
-    def step(self, action: str) -> Turn:
+
+class Echo:  # the problem's answer: how many turns the episode lasts
+    def sample(self, rng): return Problem("p", "2")
+    def episode(self, problem): return EchoEpisode(int(problem.answer))
+
+
+class EchoEpisode:
+    def __init__(self, turns): self.left = turns
+    def step(self, action):
         self.left -= 1
         return Turn(f"<{action}>", 0.25, self.left == 0)
 
 
-class _Raises:
-    def step(self, action: str) -> Turn:
-        raise ValueError("tool failed")
+class Raises(Echo):
+    def episode(self, problem): return RaisesEpisode()
 
 
-class _Hangs:
-    def step(self, action: str) -> Turn:
-        time.sleep(30)
+class RaisesEpisode:
+    def step(self, action): raise ValueError("tool failed")
+
+
+class Hangs(Echo):
+    def episode(self, problem): return HangsEpisode()
+
+
+class HangsEpisode:
+    def step(self, action):
+        time.sleep(600)
         return Turn("", 1.0, True)
 
 
-class _Nonsense:
-    def step(self, action: str) -> object:
-        return {"observation": "?"}
+class Nonsense(Echo):
+    def episode(self, problem): return NonsenseEpisode()
 
 
-def test_episodes_append_ids_mask_the_environment_and_survive_bad_environments() -> None:
+class NonsenseEpisode:
+    def step(self, action): return {"observation": "?"}
+"""
+
+
+@pytest.fixture(scope="module")
+def environments(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Environment]:
+    """A child-process environment of one of `ENVIRONMENTS`'s classes for the problem with that answer."""
+    path = _env_file(tmp_path_factory.mktemp("envs"), ENVIRONMENTS)
+    return lambda cls, answer="2": Environment(Recipe("env", Problem("p", answer), {"path": f"{path}:{cls}"}))
+
+
+def _environment_processes() -> list[Any]:
+    return [p for p in multiprocessing.active_children() if p.name == "zerokl-environment"]
+
+
+def test_episodes_append_ids_mask_the_environment_and_survive_bad_environments(environments: Any) -> None:
     encode = lambda text: [100 + len(text)]  # noqa: E731 (one id per observation)
     decode = lambda ids: "".join(map(str, ids))  # noqa: E731
     limits = Limits(max_turns=3, max_tokens=2, max_length=64, step_timeout_s=0.5)
-    runs = run_episodes(_fake_generate, TextDialogue(encode, decode), [[1, 2, 3]] * 5,
-                        [_Echo(2), _Echo(9), _Raises(), _Hangs(), _Nonsense()], limits, seed=0)
+    envs = [environments("Echo", "2"), environments("Echo", "9"), environments("Raises"), environments("Hangs"),
+            environments("Nonsense")]
+    runs = run_episodes(_fake_generate, TextDialogue(encode, decode), [[1, 2, 3]] * 5, envs, limits, seed=0)
+    for env in envs:
+        env.close()
     done, capped, raised, hung, nonsense = runs
     # token in / token out: the prompt, then per turn the sampled ids and the observation's ids, never re-tokenised
     assert done.ids == [1, 2, 3, 7, 8, 104, 7, 8] and done.end == "done" and done.turns == 2 and done.reward == 0.5
@@ -75,8 +113,23 @@ def test_episodes_append_ids_mask_the_environment_and_survive_bad_environments()
     assert raised.end == "error: the environment step raised ValueError: tool failed" and raised.turns == 1
     assert hung.end == "error: the environment step took longer than 0.5 s"
     assert nonsense.end == "error: the environment step returned dict, not a Turn"
-    short = run_episodes(_fake_generate, TextDialogue(encode, decode), [[1] * 60], [_Echo(9)], limits, seed=0)[0]
+    env = environments("Echo", "9")
+    short = run_episodes(_fake_generate, TextDialogue(encode, decode), [[1] * 60], [env], limits, seed=0)[0]
+    env.close()
     assert short.end == "length" and len(short.ids) == 62  # another turn (1 + 2 tokens) would pass the 64
+
+
+def test_a_hanging_environment_leaves_nothing_running(environments: Any) -> None:
+    """The step that overruns its time limit ends the environment's process at once: no process, no thread of it is
+    left to keep computing or to write into a later trajectory."""
+    threads = set(threading.enumerate())
+    hung = environments("Hangs")
+    assert len(_environment_processes()) == 1
+    t0 = time.monotonic()
+    assert hung.step("a guess", 0.5) == "the environment step took longer than 0.5 s"
+    assert time.monotonic() - t0 < 10 and _environment_processes() == []
+    assert set(threading.enumerate()) <= threads
+    hung.close()  # idempotent
 
 
 def test_guess_feedback_and_reward() -> None:
@@ -106,9 +159,9 @@ def test_calculator_refuses_what_is_not_arithmetic(expression: str, why: str) ->
 def test_calculator_task_counts_tool_calls_and_errors() -> None:
     task = make_task("calculator", digits=1)
     game = task.episode(task.sample(__import__("random").Random(3)))
-    assert game.step("calc 6*7") == Turn(" = 42. Answer:", 0.0, False, tool_call=True)
-    assert game.step("calc open('f')") == Turn(" error: Call is not arithmetic. Answer:", 0.0, False, tool_call=True,
-                                                tool_error=True)
+    assert game.step("calc 6*7") == Turn(" = 42. Answer:", 0.0, False, tool_calls=1)
+    assert game.step("calc open('f')") == Turn(" error: Call is not arithmetic. Answer:", 0.0, False, tool_calls=1,
+                                                tool_errors=1)
     assert game.step("42").done
 
 
@@ -135,9 +188,10 @@ def test_user_environment_files_are_checked_at_load(body: str, spec: str, says: 
 def test_a_user_environment_that_cannot_make_an_episode_ends_only_its_trajectory(tmp_path: Path) -> None:
     body = ("class E:\n    def sample(self, rng): return Problem('p', str(rng.random()))\n"
             "    def episode(self, p): raise KeyError(p.answer)\n")
-    task = make_task("env", path=f"{_env_file(tmp_path, body)}:E")
-    runs = run_episodes(_fake_generate, TextDialogue(lambda t: [1], str), [[1, 2, 3]],
-                        [task.episode(Problem("p", "x"))], Limits(3, 2, 64, 1.0), seed=0)
+    env = Environment(Recipe("env", Problem("p", "x"), {"path": f"{_env_file(tmp_path, body)}:E"}))
+    runs = run_episodes(_fake_generate, TextDialogue(lambda t: [1], str), [[1, 2, 3]], [env], Limits(3, 2, 64, 1.0),
+                        seed=0)
+    env.close()
     assert runs[0].end == "error: the environment step raised RuntimeError: episode(problem) raised KeyError: 'x'"
 
 
@@ -174,14 +228,17 @@ def test_chat_turns_parse_with_vllms_kimi_k3_parsers_and_the_trajectory_is_the_t
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     answer = "17<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
     problem = Problem("What is 3 * 4 + 5?", "17")
+    env = Environment(Recipe("calculator", problem, {"chat": True}))
     run = run_episodes(_scripted([ids(CALL), ids(answer)]), dialogue, [dialogue.prompt_ids(problem.prompt)],
-                       [task.episode(problem)], Limits(3, 64, 1024, 5.0), seed=0)[0]
+                       [env], Limits(3, 64, 1024, 5.0), seed=0)[0]
+    env.close()
     assert run.end == "done" and run.turns == 2 and run.tool_calls == 1 and run.tool_errors == 0
     assert run.reward == pytest.approx(1.0)
     conversation = [{"role": "system", "content": task.system}, {"role": "user", "content": problem.prompt},
                     {"role": "assistant", "content": "Let me compute.", "tool_calls": [{"type": "function",
                      "function": {"name": "calculator", "arguments": {"expression": "3*4+5"}}}]},
-                    {"role": "tool", "name": "calculator", "content": "17"}, {"role": "assistant", "content": "17"}]
+                    {"role": "tool", "name": "calculator", "tool_call_id": "1", "content": "17"},
+                    {"role": "assistant", "content": "17"}]
     assert run.ids == ids(tokenizer.apply_chat_template(conversation, tools=[TOOL], tokenize=False, thinking=False))
     assert sum(run.policy_mask) == len(ids(CALL)) + len(ids(answer))
 
@@ -195,6 +252,42 @@ def test_chat_turns_parse_with_vllms_kimi_k3_parsers_and_the_trajectory_is_the_t
         '<|close|>message<|sep|><|end_of_msg|><|open|>message role="user"<|sep|>higher. Guess:<|close|>message<|sep|>'
         '<|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
     assert guess.episode(Problem("p", "5")).step(chat.action(cut)).done  # the response channel's number: right
+
+
+THREE_CALLS = ('<|close|>response<|sep|><|open|>tools<|sep|>'
+               '<|open|>call tool="calculator" index="1"<|sep|><|open|>argument key="expression" type="string"<|sep|>'
+               '2+3<|close|>argument<|sep|><|close|>call<|sep|>'
+               '<|open|>call tool="calculator" index="2"<|sep|><|close|>call<|sep|>'
+               '<|open|>call tool="search" index="3"<|sep|><|open|>argument key="q" type="string"<|sep|>x'
+               '<|close|>argument<|sep|><|close|>call<|sep|>'
+               '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+
+
+def test_every_tool_call_of_a_turn_is_answered_in_order_and_malformed_ones_are_tool_errors(k3_tiny: Path) -> None:
+    """Three calls in one turn: each gets its own tool message, in the calls' order, carrying its call's id; a call
+    missing its required argument and a call of a tool nobody declared are answered with their errors (tool errors
+    the policy sees, counted), never dropped or run with made-up arguments."""
+    from zerokl.tasks.chat import ChatDialogue
+
+    task = make_task("calculator", chat=True)
+    dialogue = ChatDialogue(k3_tiny, task)
+    ids = dialogue.tokenizer(THREE_CALLS, add_special_tokens=False)["input_ids"]
+    action = dialogue.action(ids)
+    assert [(c.name, c.id, c.error) for c in action.tool_calls] == [
+        ("calculator", "1", None), ("calculator", "2", "malformed arguments (missing required argument 'expression')"),
+        ("search", "3", "no such tool is declared")]
+    env = Environment(Recipe("calculator", Problem("What is 1 * 2 + 3?", "5"), {"chat": True}))
+    turn = env.step(action, 5.0)
+    env.close()
+    assert turn == Turn(("5", "error: malformed arguments (missing required argument 'expression')",
+                         "error: no such tool is declared"), 0.0, False, tool_calls=3, tool_errors=2)
+    text = dialogue.tokenizer.decode(dialogue.observation(ids, action, turn.observation), skip_special_tokens=False)
+    assert text == ''.join(f'<|open|>message role="tool" name="{name}" call="{i}"<|sep|>{body}<|close|>message<|sep|>'
+                           '<|end_of_msg|>' for i, (name, body) in enumerate(zip(
+                               ("calculator", "calculator", "search"), turn.observation), start=1)) + \
+        '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
+    with pytest.raises(ValueError, match="answered 1 of the turn's 3 tool calls"):
+        dialogue.observation(ids, action, "5")
 
 
 def test_a_user_chat_environment_declares_its_tools_and_bad_ones_are_refused(k3_tiny: Path, tmp_path: Path) -> None:

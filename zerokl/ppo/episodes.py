@@ -10,7 +10,6 @@ turn of a trajectory is sampled by one policy version (no sync runs during a rol
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,7 +18,7 @@ import torch
 
 from parity.routing import NOT_COMPUTED
 from rollout.sampling import sample_seed
-from zerokl.tasks.agent import Episode, Turn
+from zerokl.tasks.agent import Turn
 
 
 @dataclass
@@ -92,7 +91,7 @@ class Dialogue(Protocol):
 
     def action(self, ids: list[int]) -> Any: ...  # what the episode's step receives for the turn `ids`
 
-    def observation(self, ids: list[int], action: Any, answer: str) -> list[int]: ...  # the ids that follow
+    def observation(self, ids: list[int], action: Any, answer: str | tuple[str, ...]) -> list[int]: ...  # what follows
 
 
 class TextDialogue:
@@ -109,18 +108,25 @@ class TextDialogue:
     def action(self, ids: list[int]) -> str:
         return self.decode(ids)
 
-    def observation(self, ids: list[int], action: Any, answer: str) -> list[int]:
-        return self.encode(answer)
+    def observation(self, ids: list[int], action: Any, answer: str | tuple[str, ...]) -> list[int]:
+        return self.encode(answer if isinstance(answer, str) else "".join(answer))
+
+
+class Environment(Protocol):
+    """A trajectory's environment: its episode's answer to an action, or why there is none
+    (`zerokl.ppo.environments.Environment`: the episode in a child process that a timeout ends for good)."""
+
+    def step(self, action: Any, timeout_s: float) -> Turn | str: ...
 
 
 def run_episodes(generate: Callable[..., list[Any]], dialogue: Dialogue, prompts: Sequence[list[int]],
-                 episodes: Sequence[Episode], limits: Limits, seed: int, **sampling: Any) -> list[Trajectory]:
-    """Run trajectory i from `prompts[i]` against `episodes[i]`, all active ones batched per turn through `generate`
-    (the engine's, called with `n=1`, per-request seeds `sample_seed(seed, turn * len(prompts) + i)`, `record=True`,
-    the dialogue's stop tokens and `sampling`); each turn reaches its episode as `dialogue.action(ids)` and the
-    episode's answer comes back as `dialogue.observation(...)` ids. A trajectory ends when its episode says done, at
-    `max_turns`, when the next turn would not fit in `max_length`, or when its environment raises or exceeds
-    `step_timeout_s` (`end` says which and why; the run goes on)."""
+                 environments: Sequence[Environment], limits: Limits, seed: int, **sampling: Any) -> list[Trajectory]:
+    """Run trajectory i from `prompts[i]` against `environments[i]`, all active ones batched per turn through
+    `generate` (the engine's, called with `n=1`, per-request seeds `sample_seed(seed, turn * len(prompts) + i)`,
+    `record=True`, the dialogue's stop tokens and `sampling`); each turn reaches its environment as
+    `dialogue.action(ids)` and the answer comes back as `dialogue.observation(...)` ids. A trajectory ends when its
+    episode says done, at `max_turns`, when the next turn would not fit in `max_length`, or when its environment
+    raises, answers something else or exceeds `step_timeout_s` (`end` says which and why; the run goes on)."""
     runs = [Trajectory(list(p)) for p in prompts]
     for turn in range(limits.max_turns):
         active = [i for i, r in enumerate(runs) if r.end == "running"]
@@ -133,13 +139,13 @@ def run_episodes(generate: Callable[..., list[Any]], dialogue: Dialogue, prompts
             run = runs[i]
             run.add(sample)
             action = dialogue.action(sample.completion_ids)
-            reply = _step(episodes[i], action, limits.step_timeout_s)
+            reply = environments[i].step(action, limits.step_timeout_s)
             if isinstance(reply, str):
                 run.end = f"error: {reply}"
                 continue
             run.reward += reply.reward
-            run.tool_calls += reply.tool_call
-            run.tool_errors += reply.tool_error
+            run.tool_calls += reply.tool_calls
+            run.tool_errors += reply.tool_errors
             if reply.done:
                 run.end = "done"
             elif turn + 1 == limits.max_turns:
@@ -151,27 +157,3 @@ def run_episodes(generate: Callable[..., list[Any]], dialogue: Dialogue, prompts
                 else:
                     run.observe(ids)
     return runs
-
-
-def _step(episode: Episode, action: Any, timeout_s: float) -> Turn | str:
-    """The episode's answer to `action`, or why there is none (it raised, returned something else, or did not answer
-    within `timeout_s`: its thread, a daemon, is left behind and the trajectory ends)."""
-    out: list[Any] = []
-
-    def call() -> None:
-        try:
-            out.append(episode.step(action))
-        except Exception as e:  # a user environment's failure ends its trajectory, never the run
-            out.append(e)
-
-    worker = threading.Thread(target=call, name="environment-step", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if not out:
-        return f"the environment step took longer than {timeout_s:g} s"
-    reply = out[0]
-    if isinstance(reply, Exception):
-        return f"the environment step raised {type(reply).__name__}: {reply}"
-    if not isinstance(reply, Turn):
-        return f"the environment step returned {type(reply).__name__}, not a Turn"
-    return reply

@@ -4,7 +4,7 @@
 same), sends them to the engine (`rollout.engine.RolloutEngine` in this process or `rollout.client.remote.RemoteRollout`
 on servers) with `samples_per_prompt` samples each and the step's seed, and scores each completion with the task's
 reward. An agent task runs multi-turn episodes instead (`zerokl.ppo.episodes`), every turn of a trajectory sampled by
-one policy version.
+one policy version, each trajectory's environment in a child process of its own (`zerokl.ppo.environments`).
 
 `Ahead` is the staleness variation of the stage (`max_staleness: k`, one-step-off style as verl's and AReaL's
 asynchronous trainers run): steps up to t + k are queued on a background thread, each generated with the engine's
@@ -23,6 +23,7 @@ import torch
 
 from rollout.sampling import ImagePrompt
 from zerokl.ppo.config import PPOConfig
+from zerokl.ppo.environments import Environment, Recipe
 from zerokl.ppo.episodes import Limits, run_episodes
 from zerokl.ppo.samples import Rolled, Rollout, images_of, rolled_from_record, rolled_record, step_seed
 from zerokl.tasks import TASKS
@@ -85,12 +86,17 @@ class Rollouts:
         token in / token out (`zerokl.ppo.episodes`)."""
         cfg = self.cfg
         prompts = [self.dialogue.prompt_ids(p.prompt) for p in problems for _ in range(cfg.samples_per_prompt)]
-        episodes = [self.task.episode(p) for p in problems for _ in range(cfg.samples_per_prompt)]
         limits = Limits(cfg.max_turns, cfg.max_tokens, self.max_length, cfg.env_timeout_s)
         t0 = time.perf_counter()
-        runs = run_episodes(self.engine.generate, self.dialogue, prompts, episodes, limits, step_seed(cfg.seed, step),
-                            temperature=cfg.temperature, top_k=cfg.top_k,
-                            top_p=cfg.top_p, min_p=cfg.min_p, lora=self.engine.policy_adapter)
+        environments = [Environment(Recipe(cfg.task, p, cfg.task_args or {}))
+                        for p in problems for _ in range(cfg.samples_per_prompt)]
+        try:
+            runs = run_episodes(self.engine.generate, self.dialogue, prompts, environments, limits,
+                                step_seed(cfg.seed, step), temperature=cfg.temperature, top_k=cfg.top_k,
+                                top_p=cfg.top_p, min_p=cfg.min_p, lora=self.engine.policy_adapter)
+        finally:
+            for environment in environments:
+                environment.close()
         seconds = time.perf_counter() - t0
         errors = [r.end.removeprefix("error: ") for r in runs if r.end.startswith("error")]
         if errors:  # the trajectory ends with what it has (its reward so far); the run goes on

@@ -16,25 +16,40 @@ from __future__ import annotations
 import inspect
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from parity.config import ConfigError
 from zerokl.tasks.base import Problem
-from zerokl.tasks.chat import ChatAction
+from zerokl.tasks.chat import ChatAction, ToolCall
 from zerokl.tasks.rewards import RewardError, import_file
 
 
 @dataclass(frozen=True)
 class Turn:
-    """What the environment answers to one policy turn."""
+    """What the environment answers to one policy turn: the observation appended to the trajectory as environment
+    tokens ("" when the trajectory ends; to a chat turn with tool calls, a tuple of one answer per call, in the calls'
+    order, each rendered as its own tool message), the reward the turn earned, whether the trajectory ends, and how
+    many tools the turn called and how many of those calls failed (counted per step)."""
 
-    observation: str  # appended to the trajectory as environment tokens ("" when the trajectory ends)
+    observation: str | tuple[str, ...]
     reward: float
     done: bool
-    tool_call: bool = False  # the turn called a tool (counted per step)
-    tool_error: bool = False  # ... and the tool refused it (its error is the observation)
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+def answer_tools(action: ChatAction, run: Callable[[ToolCall], tuple[str, bool]]) -> Turn:
+    """A chat turn's tool calls answered in order: `run(call)` -> (answer, failed) for each well-formed call; a call
+    whose arguments did not parse (`ToolCall.error`) is answered with that error, a failed call the policy sees."""
+    answers, failed = [], 0
+    for call in action.tool_calls:
+        answer, bad = (f"error: {call.error}", True) if call.error is not None else run(call)
+        answers.append(answer)
+        failed += bad
+    return Turn(tuple(answers), 0.0, False, tool_calls=len(answers), tool_errors=failed)
 
 
 class Episode(Protocol):

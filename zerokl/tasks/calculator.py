@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.config import ConfigError
-from zerokl.tasks.agent import Turn
+from zerokl.tasks.agent import Turn, answer_tools
 from zerokl.tasks.base import Problem
 from zerokl.tasks.chat import ChatAction
 from zerokl.tasks.toy import partial_credit
@@ -92,20 +92,23 @@ class CalculatorEpisode:
 
     def step(self, action: str | ChatAction) -> Turn:
         if isinstance(action, ChatAction):
-            if action.tool_calls:
-                return self._calculate(str(action.tool_calls[0].arguments.get("expression", "")), "{}", "error: {}")
+            if action.tool_calls:  # every call answered, in order
+                return answer_tools(action, lambda call: _calculated(str(call.arguments.get("expression", "")),
+                                                                     "{}", "error: {}"))
             return Turn("", partial_credit(action.content, self.answer, "0123456789-"), True)
         text = action.strip()
         if text.startswith("calc"):
-            return self._calculate(text[4:], " = {}. Answer:", " error: {}. Answer:")
+            answer, failed = _calculated(text[4:], " = {}. Answer:", " error: {}. Answer:")
+            return Turn(answer, 0.0, False, tool_calls=1, tool_errors=int(failed))
         return Turn("", partial_credit(action, self.answer, "0123456789-"), True)
 
-    @staticmethod
-    def _calculate(expression: str, shown: str, error: str) -> Turn:
-        try:
-            return Turn(shown.format(_shown(calculate(expression))), 0.0, False, tool_call=True)
-        except CalculatorError as e:
-            return Turn(error.format(e), 0.0, False, tool_call=True, tool_error=True)
+
+def _calculated(expression: str, shown: str, error: str) -> tuple[str, bool]:
+    """The calculator's answer to `expression` in the form `shown` (or `error`), and whether it failed."""
+    try:
+        return shown.format(_shown(calculate(expression))), False
+    except CalculatorError as e:
+        return error.format(e), True
 
 
 class Calculator:
