@@ -8,6 +8,7 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,3 +85,11 @@ def results(futures: list, what: str) -> None:
     failed = errors(futures)
     if failed:
         raise SyncError(f"rollout servers could not {what}: {failed[0]}")
+
+
+def each(servers: list[Server], call: Callable[[Server], Any], strict: bool = True) -> None:
+    """`call` on every server at once; with `strict`, SyncError naming the first failure."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        failed = errors([pool.submit(call, s) for s in servers])
+    if failed and strict:
+        raise SyncError(failed[0])

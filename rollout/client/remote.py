@@ -10,15 +10,12 @@ that version (vLLM labels every token with the weights that sampled it), so no s
 A server that fails (connection refused or reset, HTTP 5xx) is dropped and its prompts are retried on the others:
 the same seeds give the same samples there. With no server left the call raises `RolloutError`.
 
-Weight sync (`sync`): every live server is paused (its running requests finish first), joins one
-`torch.distributed` group with the trainer (`StandaloneGroup`: gloo on CPU, NCCL on CUDA tensors; set up anew per sync
-through `/init_weight_transfer_engine`, so a dropped or restarted server never blocks one) and receives the bundle
-broadcast, each server verifying it (names, shapes, dtypes, checksums, a newer version) and staging it. Only when every
-server staged it do they all apply it (`/finish_weight_update`); if any refused, every server drops its staged copy and
-keeps its weights (all or none). Then each server's `GET /zerokl/weights` must report the new version and the checksum
-of what was sent, and generation resumes. A dropped server that answers again (restarted) takes part in the next
-sync, which brings it to the current version, and gets no requests before it. Adapters (LoRA runs) go through
-`zerokl lora push`'s protocol instead (`set_policy_adapter`, `sync` of an adapter bundle).
+Weight sync (`sync`): a full-weight bundle goes to every live server, and any dropped one that answers again, all or
+none, in two phases (`rollout.client.two_phase`: stage everywhere, then commit everywhere with a rollback if any live
+server fails; a server that dies on the way is dropped and the others go on). A dropped server that answers again
+(restarted) takes part in the next sync, which brings it to the current version, and gets no requests before it.
+Adapters (LoRA runs) go through `zerokl lora push`'s protocol instead (`set_policy_adapter`, `sync` of an adapter
+bundle).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import shutil
 import tempfile
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,14 +38,14 @@ from typing import Any
 import torch
 
 from parity.config import TextConfig
-from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
-from parity.sync.group import StandaloneGroup, address_towards, free_port
-from parity.sync.transports import SyncResult, TorchDistributed
+from parity.sync.bundle import SyncError, Transport, WeightBundle
+from parity.sync.transports import SyncResult
 from rollout.sampling import ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, sample_seed
 from rollout.client import http
 from rollout.client.http import Server, ServerDown
-from rollout.server.admin import (ABORT_ROUTE, GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE,
-                                  VERSION_HEADER, served_version)
+from rollout.client.two_phase import NO_SERVER, TwoPhaseSync
+from rollout.server.admin import (GENERATE_ROUTE, RECORD_MARK, RECORDS_ROUTE, RECORDS_START_ROUTE, VERSION_HEADER,
+                                  served_version)
 
 
 @dataclass
@@ -210,28 +206,20 @@ class RemoteRollout:
 
     # --- weight sync --------------------------------------------------------------------------------
     def sync(self, bundle: WeightBundle, transport: Transport | None = None) -> SyncResult:
-        """Install `bundle` on every server that answers, all or none (see the module docstring): the live ones and
-        any dropped one that is back (restarted: it rejoins at this version). `transport`: None for a torch.distributed
-        broadcast (servers anywhere), or a `SharedMemory` (servers on this host) or `Disk` (a directory they all read)
-        whose message each server's workers read. SyncError if refused; the servers then all keep their previous
-        version."""
+        """Install `bundle` on every server that answers, in two phases (see the module docstring): the live ones and
+        any dropped one that is back (restarted: it rejoins at this version). `transport`: None for a
+        torch.distributed broadcast (servers anywhere), or a `SharedMemory` (servers on this host) or `Disk` (a
+        directory they all read) whose message each server's workers read. A server that dies on the way is dropped
+        and the sync goes on with the others; SyncError if a live server refuses, or none is left: every server then
+        holds the version it held before."""
         if bundle.kind == "adapter":
             return self._sync_adapter(bundle)
         t0 = time.perf_counter()
         servers = [s for s in [*self.servers, *self.dropped] if self._answers(s)]
         if not servers:
-            raise SyncError("no rollout server answers; restart them (`zerokl serve`) and resume the run (--resume)")
-        self._each(servers, lambda s: s.call("POST", "/pause?mode=wait", {}))
-        try:
-            self._each(servers, lambda s: s.call("POST", ABORT_ROUTE, {}))  # a session a crashed trainer left open
-            self._transfer(servers, bundle, transport)
-        except SyncError:
-            self._each(servers, lambda s: s.call("POST", ABORT_ROUTE, {}), strict=False)
-            raise
-        finally:
-            self._each(servers, lambda s: s.call("POST", "/resume", {}), strict=False)
-        back = [s for s in servers if s in self.dropped]
-        for s in back:
+            raise SyncError(NO_SERVER)
+        servers = TwoPhaseSync(self, self._drop).run(servers, bundle, transport)
+        for s in [s for s in servers if s in self.dropped]:
             self.dropped.remove(s)
             self.log(f"rollout server {s.url} is back, at version {bundle.version}")
         self.servers = servers
@@ -299,7 +287,7 @@ class RemoteRollout:
         except (PushError, ValueError) as e:
             shutil.rmtree(target, ignore_errors=True)
             raise SyncError(f"adapter version {version} was not pushed: {e}") from None
-        self._each(servers, lambda s: s.call("POST", "/update_weight_version", {"new_version": str(version)}))
+        http.each(servers, lambda s: s.call("POST", "/update_weight_version", {"new_version": str(version)}))
         for old in target.parent.glob(f"{self.policy_adapter}-v*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
@@ -316,69 +304,6 @@ class RemoteRollout:
             if server in self.servers:
                 self._drop(server, e)
             return False
-
-    def _transfer(self, servers: list[Server], bundle: WeightBundle, transport: Transport | None) -> None:
-        """Every server stages `bundle` (or none applies it), then all apply it."""
-        self._each(servers, lambda s: s.call("POST", "/start_weight_update", {}))
-        if transport is None:
-            refused = self._broadcast(servers, bundle)
-        else:
-            message = transport.send(bundle)
-            try:
-                update = {"update_info": {"transport": transport.name, "message": message}}
-                with ThreadPoolExecutor(len(servers)) as pool:
-                    refused = http.errors([pool.submit(s.call, "POST", "/update_weights", update) for s in servers])
-            finally:
-                transport.release(message)
-        if refused:
-            raise SyncError(f"weight update {bundle.version} refused by {refused[0]}; every server keeps version "
-                            f"{self.version}")
-        self._each(servers, lambda s: s.call("POST", "/finish_weight_update", {"weight_version": str(bundle.version)}))
-        expected = weights_checksum(bundle.checksums)
-        for s in servers:
-            held = s.weights()
-            if held["version"] != bundle.version or held["checksum"] != expected:
-                raise SyncError(f"after the update {s.url} reports version {held['version']} with checksum "
-                                f"{held['checksum']}, expected version {bundle.version} with {expected}")
-            self.checksums[s.url] = held["checksum"]
-
-    def _broadcast(self, servers: list[Server], bundle: WeightBundle) -> list[str]:
-        """Send `bundle` to every server's workers over one `StandaloneGroup` with this process as rank 0 (set up
-        for this sync through `/init_weight_transfer_engine`); the servers' refusals."""
-        first = urllib.parse.urlsplit(servers[0].url)
-        host = address_towards(first.hostname or "127.0.0.1", first.port or 80)
-        port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
-        world = 1 + sum(s.workers for s in servers)
-        backend = "nccl" if next(iter(bundle.tensors.values())).is_cuda else "gloo"
-        offsets = [1 + sum(s.workers for s in servers[:k]) for k in range(len(servers))]
-        with ThreadPoolExecutor(len(servers)) as pool:
-            joined = [pool.submit(s.call, "POST", "/init_weight_transfer_engine",
-                                  {"init_info": {"master_address": host, "master_port": port, "rank_offset": off,
-                                                 "world_size": world, "backend": backend}})
-                      for s, off in zip(servers, offsets)]
-            try:
-                group = StandaloneGroup(host, port, 0, world, backend)
-            except RuntimeError as e:
-                raise SyncError(f"rollout servers did not join the weight-sync group at {host}:{port} ({e}): "
-                                f"{'; '.join(http.errors(joined)) or 'no answer'}") from None
-            try:
-                http.results(joined, "join the weight-sync group")
-                update = {"update_info": {"transport": TorchDistributed.name, "message": {"version": bundle.version}}}
-                staged = [pool.submit(s.call, "POST", "/update_weights", update) for s in servers]
-                try:
-                    TorchDistributed(src=0, group=group).send(bundle)
-                except RuntimeError as e:  # a server died mid-broadcast: the others time out and refuse
-                    return [f"the broadcast failed ({e})", *http.errors(staged)]
-                return http.errors(staged)
-            finally:
-                group.close()
-
-    def _each(self, servers: list[Server], call: Callable[[Server], Any], strict: bool = True) -> None:
-        """`call` on every server at once; with `strict`, SyncError naming the first failure."""
-        with ThreadPoolExecutor(len(servers)) as pool:
-            errors = http.errors([pool.submit(call, s) for s in servers])
-        if errors and strict:
-            raise SyncError(errors[0])
 
     def close(self) -> None:
         """The servers are not this object's: they keep running."""

@@ -15,8 +15,10 @@ scale-out token-in/token-out route (`/inference/v1/generate`). This middleware:
   does not hold (a request is never silently served by other weights than the ones its client expects);
 - adds `GET /zerokl/weights` (`{"version": N, "checksum": C, "vision_synced": B}`, from the live parameters:
   `rollout.server.worker`; B: the vision tower is among them, `zerokl serve --sync-vision-tower`),
-  `POST /zerokl/abort_weight_update`, `POST /zerokl/records/start` and `POST /zerokl/records {"request_ids": [...]}`
-  (the raw log-probs and expert choices of recorded requests).
+  `POST /zerokl/abort_weight_update`, `POST /zerokl/rollback_weight_update` (a committed update undone: the previous
+  weights, their version label, the prefix cache dropped) and `POST /zerokl/confirm_weight_update` (the two phases of
+  a sync over several servers: `rollout.client.remote`), `POST /zerokl/records/start` and `POST /zerokl/records
+  {"request_ids": [...]}` (the raw log-probs and expert choices of recorded requests).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ VERSION_HEADER = "X-ZeroKL-Weight-Version"
 RECORD_MARK = "zerokl-rec-"  # request ids the servers record (`rollout.server.worker`), from here on
 WEIGHTS_ROUTE = "/zerokl/weights"
 ABORT_ROUTE = "/zerokl/abort_weight_update"
+ROLLBACK_ROUTE = "/zerokl/rollback_weight_update"
+CONFIRM_ROUTE = "/zerokl/confirm_weight_update"
 RECORDS_START_ROUTE = "/zerokl/records/start"
 RECORDS_ROUTE = "/zerokl/records"
 GENERATE_ROUTE = "/inference/v1/generate"
 SYNC_ROUTES = ("/pause", "/resume", "/is_paused", "/init_weight_transfer_engine", "/start_weight_update",
                "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_info",
                "/get_world_size")
-ZEROKL_ROUTES = (WEIGHTS_ROUTE, ABORT_ROUTE, RECORDS_START_ROUTE, RECORDS_ROUTE)
+ZEROKL_ROUTES = (WEIGHTS_ROUTE, ABORT_ROUTE, ROLLBACK_ROUTE, CONFIRM_ROUTE, RECORDS_START_ROUTE, RECORDS_ROUTE)
 VERSIONED_ROUTES = (GENERATE_ROUTE, "/v1/completions", "/v1/chat/completions")
 # every route the development mode mounts, read off vLLM's routers (a route a later vLLM adds is refused too)
 _DEV_ROUTERS = ("vllm.entrypoints.rl.online.api_router", "vllm.entrypoints.serve.dev.cache.api_router",
@@ -136,6 +140,13 @@ async def sync_admin(request: Request, call_next: Callable[[Request], Awaitable[
     if path == ABORT_ROUTE:
         await engine.collective_rpc("zerokl_abort_weight_update")
         return JSONResponse({"message": "weight update aborted"})
+    if path == ROLLBACK_ROUTE:  # the previous weights back: label the outputs with their version, drop the cache
+        await engine.collective_rpc("zerokl_rollback_weight_update")
+        await _after_finish(request)
+        return JSONResponse({"message": "weight update rolled back"})
+    if path == CONFIRM_ROUTE:
+        await engine.collective_rpc("zerokl_confirm_weight_update")
+        return JSONResponse({"message": "weight update confirmed"})
     if path == RECORDS_START_ROUTE:
         await engine.collective_rpc("zerokl_records_start")
         return JSONResponse({"message": "recording"})

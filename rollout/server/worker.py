@@ -6,6 +6,8 @@ methods its server routes (`rollout.server.admin`) reach through `collective_rpc
   for the bundle it sent, so equal checksums mean the server serves the trainer's bits.
 - `zerokl_abort_weight_update`: drop a staged update and end the update session without touching the weights (another
   server of the same sync rejected its copy: every server stays on its version).
+- `zerokl_rollback_weight_update` / `zerokl_confirm_weight_update`: undo a committed update (another server of the
+  same sync could not commit its copy) or keep it (every server committed), `rollout.vllm.weight_transfer`.
 - `zerokl_records_start` / `zerokl_records_take`: the raw log-probs and expert choices of requests whose id carries
   `RECORD_MARK` (`rollout.vllm.records`), recorded from the first call on, handed out (and forgotten) per request.
 """
@@ -39,6 +41,12 @@ class ServerWorker:
         self.weight_transfer_engine.abort_weight_update()
         if self._weight_update_active:
             self.finish_weight_update()  # nothing staged: the weights stay; ends the worker's update session
+
+    def zerokl_rollback_weight_update(self) -> None:
+        self.weight_transfer_engine.rollback_weight_update()
+
+    def zerokl_confirm_weight_update(self) -> None:
+        self.weight_transfer_engine.confirm_weight_update()
 
     def zerokl_records_start(self) -> None:
         if getattr(self.model_runner.get_model(), "records", None) is None:

@@ -10,11 +10,13 @@ broadcast from the trainer over the group that `init_weight_transfer_engine` set
 across vLLM's data-parallel replicas, the trainer is rank 0), which is how a trainer reaches servers it does not own
 (`rollout.client.remote`).
 
-All-or-nothing: `update_weights` verifies the whole bundle (every text weight present with the model's shape and
-dtype, every checksum matching the bytes that arrived, finite values, a version newer than the worker's) and
-only stages it; `finish_weight_update` copies the staged tensors into the parameters (shapes and dtypes already
-checked, so the copy cannot stop half way). A rejected update raises and leaves the previous weights and version in
-place. Wire dtypes are the parameters' (`parity.weights.serving_weights`: fp32 for fp32-stored tensors, else the
+All-or-nothing, across servers too: `update_weights` verifies the whole bundle (every text weight present with the
+model's shape and dtype, every checksum matching the bytes that arrived, finite values, a version newer than the
+worker's) and only stages it; `finish_weight_update` commits it: copies the staged tensors into the parameters (shapes
+and dtypes already checked, so the copy cannot stop half way) and keeps the values they replace, so that
+`rollback_weight_update` can put the previous weights and version back (another server of the same sync failed to
+commit) until `confirm_weight_update` (every server committed) or the next update drops them. A rejected update
+raises and leaves the previous weights and version in place. Wire dtypes are the parameters' (`parity.weights.serving_weights`: fp32 for fp32-stored tensors, else the
 compute dtype), the operands the parity forward computes with, so the bits the trainer's forward uses are the bits
 the rollout uses.
 """
@@ -68,6 +70,7 @@ class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateIn
         super().__init__(config, vllm_config, device, model)
         self.version = 0  # of the weights in the model; the checkpoint's are version 0
         self._staged: WeightBundle | None = None
+        self._previous: tuple[int, dict[str, torch.Tensor]] | None = None  # a commit's (old version, old values)
         self._group: StandaloneGroup | None = None
 
     def _params(self) -> dict[str, torch.Tensor]:
@@ -88,6 +91,7 @@ class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateIn
 
     def start_weight_update(self) -> None:
         self._staged = None
+        self._previous = None  # a new sync: the last commit stands
 
     def receive_weights(self, update_info: SyncUpdateInfo) -> None:
         if update_info.transport == TorchDistributed.name:
@@ -106,15 +110,33 @@ class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateIn
         self._staged = bundle
 
     def finish_weight_update(self) -> None:
-        """Apply the staged bundle (if an `update_weights` verified one) in one step."""
+        """Commit the staged bundle (if an `update_weights` verified one) in one step, keeping what it replaces."""
         bundle, self._staged = self._staged, None
         if bundle is None:
             return
         params = self._params()
         with torch.no_grad():
+            self._previous = (self.version, {name: params[name].detach().clone() for name in bundle.tensors})
             for name, t in bundle.tensors.items():
                 params[name].copy_(t)
         self.version = bundle.version
+
+    def rollback_weight_update(self) -> None:
+        """Undo the last commit (another server of the same sync could not commit): the previous weights and version
+        back, bit for bit. Nothing to undo: nothing changes."""
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        version, values = previous
+        params = self._params()
+        with torch.no_grad():
+            for name, t in values.items():
+                params[name].copy_(t)
+        self.version = version
+
+    def confirm_weight_update(self) -> None:
+        """Every server committed: the replaced values are dropped."""
+        self._previous = None
 
     def abort_weight_update(self) -> None:
         """Drop a staged update (another server of the same sync rejected its copy): the weights stay as they are."""
