@@ -137,13 +137,14 @@ class TwoPhaseSync:
         servers, refused = self._survivors(
             self.outcomes(servers, lambda s: s.call("POST", "/finish_weight_update", version)), "commit")
         expected = weights_checksum(bundle.checksums)
-        held: dict[Server, dict[str, Any]] = {}
+        held: dict[str, dict[str, Any]] = {}  # by server URL: what it reports holding
         if not refused:
-            outcomes = self.outcomes(servers, lambda s: held.__setitem__(s, s.weights()))
+            outcomes = self.outcomes(servers, lambda s: held.__setitem__(s.url, s.weights()))
             servers, refused = self._survivors(outcomes, "report its weights")
-            refused += [(s, RuntimeError(f"it reports version {held[s]['version']} with checksum "
-                                         f"{held[s]['checksum']}, expected version {bundle.version} with {expected}"))
-                        for s in servers if s in held and (held[s]["version"], held[s]["checksum"])
+            refused += [(s, RuntimeError(f"it reports version {held[s.url]['version']} with checksum "
+                                         f"{held[s.url]['checksum']}, expected version {bundle.version} with "
+                                         f"{expected}"))
+                        for s in servers if s.url in held and (held[s.url]["version"], held[s.url]["checksum"])
                         != (bundle.version, expected)]
         if refused:
             http.each(servers, lambda s: s.call("POST", ROLLBACK_ROUTE, {}), strict=False)
@@ -151,7 +152,7 @@ class TwoPhaseSync:
             raise SyncError(f"weight update {bundle.version} could not be committed on {s.url} ({_reason(e)}); every "
                             f"server is back on version {self.client.version}")
         for s in servers:
-            self.client.checksums[s.url] = held[s]["checksum"]
+            self.client.checksums[s.url] = held[s.url]["checksum"]
         return servers
 
     def _broadcast(self, servers: list[Server], bundle: WeightBundle) -> list[tuple[Server, Exception | None]]:

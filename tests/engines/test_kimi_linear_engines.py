@@ -117,7 +117,7 @@ def test_ppo_steps_keep_kl_exactly_zero(tmp_path: Path) -> None:
         _, init = load_checkpoint(tmp_path / "ppo" / "init-checkpoint")
         trained = run.sync.export_base()
         assert trained.keys() == init.keys() and any(not torch.equal(trained[n], t.float()) for n, t in init.items())
-        prompts = [run.tokenizer.encode(p).ids for p in ("What is 3 + 4?", "What is 1 + 8? Answer:")]
+        prompts = [run.rollouts.encode(p) for p in ("What is 3 + 4?", "What is 1 + 8? Answer:")]
         samples = run.engine.generate(prompts, n=2, temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
         alone = run.engine.generate(prompts[1:], n=2, temperature=1.0, max_tokens=8, seed=[sample_seed(11, 1)],
                                     ignore_eos=True)
