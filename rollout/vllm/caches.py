@@ -19,6 +19,7 @@ to the group's longest query; the parity kernels make a row's bits independent o
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -83,6 +84,13 @@ class StepGroup:
         out = flat[self.token_index.clamp(min=0)]
         mask = self.valid.view(*self.valid.shape, *([1] * (flat.dim() - 1)))
         return torch.where(mask, out, torch.full((), fill, dtype=flat.dtype))
+
+
+def on_device_of(t: torch.Tensor) -> AbstractContextManager:
+    """Tensors a step makes without naming a device land where `t` is: a `torch.device` context off the CPU, none on
+    it (the CPU is the default already, and the context's per-op dispatch took ppo-tiny's generation on this 2-core
+    CPU from 249-268 to 156 tokens/s, medians of steps 1-19)."""
+    return nullcontext() if t.device.type == "cpu" else torch.device(t.device)
 
 
 def _register(layer: nn.Module, prefix: str, vllm_config: VllmConfig) -> None:

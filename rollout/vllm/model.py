@@ -36,7 +36,8 @@ from parity.weights import (is_quantized, official_name, packed_names, parameter
 from rollout import speculative
 from rollout.vllm import compat
 from lora.targets import suffixes
-from rollout.vllm.caches import KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes
+from rollout.vllm.caches import (KDAStateLayer, LatentCacheLayer, StepGroup, kda_state_dtypes, kda_state_shapes,
+                                 on_device_of)
 from rollout.vllm.lora_table import AdapterTable
 from rollout.vllm.plugin import KERNELS_KEY
 from rollout.vllm.records import WorkerRecords
@@ -215,7 +216,7 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         rows, image rows merged in (the multimodal subclass, `rollout.vllm.vision`, which also receives the ids)."""
         if inputs_embeds is not None and not getattr(self, "supports_multimodal", False):
             raise ModelSetupError("zerokl's K3 takes token ids; prompt embeddings are not supported")
-        with torch.device(input_ids.device):  # the step's index and scratch tensors live where its tokens do
+        with on_device_of(input_ids):  # the step's index and scratch tensors live where its tokens do
             return self._forward(input_ids, positions, inputs_embeds)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -26,7 +26,7 @@ from parity.model import K3Forward, K3Weights
 from parity.quant import fp8
 from parity.io.checkpoint import all_specs
 from parity.weights import mtp_layers, mtp_specs, parameter_tree, serving_dtype, stored_mtp_specs, text_names
-from rollout.vllm.caches import LatentCacheLayer, StepGroup
+from rollout.vllm.caches import LatentCacheLayer, StepGroup, on_device_of
 from rollout.vllm.plugin import serves_zerokl
 from rollout.vllm.model import ModelSetupError, _kernels_name, checkpoint_config, compute_tensors, load_official
 from vllm.config import VllmConfig
@@ -74,7 +74,7 @@ class ZeroKLK3MTP(nn.Module):
                 spec_step_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat tokens [N] with the hidden states [N, D] that predicted them -> ([N, D], [N, D]) in the compute dtype
         (zeros on padding and in vLLM's dummy runs). Draft step `spec_step_idx` uses layer `spec_step_idx % n`."""
-        with torch.device(input_ids.device):  # the step's index and scratch tensors live where its tokens do
+        with on_device_of(input_ids):  # the step's index and scratch tensors live where its tokens do
             return self._forward(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
