@@ -67,7 +67,7 @@ def test_ppo_on_a_local_ray_cluster_survives_losing_a_server(k3_tiny_mxfp4: Path
     # Ray's memory monitor kills a worker when the whole host passes 95% of its memory, which the suite's other
     # worker (its own engines and servers) can push it to on a 24 GiB machine: off for this cluster
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # one node: the run keeps to the loopback
     groups: list[int | None] = []
     try:
         with log.open("w") as console:

@@ -7,6 +7,7 @@ import math
 import random
 import re
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -351,9 +352,35 @@ def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
         raise ConfigError(f"ppo config: {key} must be one of {', '.join(options)}, got {value!r}")
 
 
+def _at_least(key: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"ppo config: {key} must be >= {low}, got {value}")
+
+
+def _zero_stage(value: int | None) -> None:
+    if value is not None and value not in ZERO_STAGES:
+        raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {value!r}")
+
+
+# The keys a command-line flag may override, with what their own value must be whatever the other keys say
+# (`PPOConfig.__post_init__` checks them in the context of the whole config).
+OWN_VALUE_CHECKS: dict[str, Callable[[Any], None]] = {
+    "steps": lambda v: _at_least("steps", v, 1),
+    "kernels": lambda v: _choice("kernels", v, KERNEL_SETS),
+    "on_mismatch": lambda v: _choice("on_mismatch", v, ("stop", "warn")),
+    "wandb": lambda v: _choice("wandb", v, ("offline", "online", "disabled")),
+    "backend": lambda v: _choice("backend", v, BACKENDS),
+    "zero_stage": _zero_stage,
+    "num_rollout_servers": lambda v: _at_least("num_rollout_servers", v, 0),
+    "lora": lambda v: None,
+    "rollout_servers": lambda v: None,
+}
+
+
 def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
-    """Read YAML, reject unknown keys (naming them), validate the file whole as it stands, then apply the command
-    line's overrides that are not None and validate the result (a value a flag overrides is still checked)."""
+    """Read YAML, reject unknown keys (naming them), check the file's own value of every key a command-line override
+    replaces (its type and range: a value in the file is checked even where a flag replaces it), apply the overrides
+    that are not None and validate the whole config."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"ppo config not found: {p}")
@@ -364,9 +391,15 @@ def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{p}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    cfg = _parsed(p, dict(raw))
     given = {k: v for k, v in overrides.items() if v is not None}
-    return _parsed(p, {**raw, **given}) if given else cfg
+    types = {f.name: str(f.type) for f in fields(PPOConfig)}
+    for key in sorted(given.keys() & raw.keys()):
+        try:
+            _check_type(key, raw[key], types[key])
+            OWN_VALUE_CHECKS[key](raw[key])
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {str(e).removeprefix('ppo config: ')}") from None
+    return _parsed(p, {**raw, **given})
 
 
 def _parsed(p: Path, raw: dict[str, Any]) -> PPOConfig:
