@@ -34,6 +34,7 @@ import torch
 
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
+from rollout import worker_processes
 from rollout.vllm import compat, records
 from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
                               sample_seed)
@@ -73,6 +74,7 @@ class RolloutEngine:
         from vllm import LLM
 
         compat.check_version()  # an unsupported vLLM stops here, before the engine starts its processes
+        worker_processes.install_on_cpu()
         self.kernels = kernels
         model_cfg = load_model_config(checkpoint)
         if vision and model_cfg.vision is None:

@@ -127,7 +127,7 @@ class RemoteRollout:
             pending = []
             for job, (value, error) in outcomes:
                 if isinstance(error, ServerDown):
-                    self._drop(assignment[job], error)
+                    self._drop(assignment[job], error, "its requests retried on them")
                     pending.append(job)
                 elif error is not None:
                     raise error
@@ -144,14 +144,14 @@ class RemoteRollout:
                                "next weight sync, or resume the run from its last checkpoint (--resume)")
         return self.servers
 
-    def _drop(self, server: Server, error: Exception) -> None:
+    def _drop(self, server: Server, error: Exception, then: str = "") -> None:
         if server in self.servers:
             self.servers.remove(server)
             self.dropped.append(server)
             self.checksums.pop(server.url, None)
             self.vision_synced.pop(server.url, None)
-            self.log(f"rollout server {server.url} failed ({error}); {len(self.servers)} left, its requests retried "
-                     "on them")
+            self.log(f"rollout server {server.url} failed ({error}); {len(self.servers)} left"
+                     + (f", {then}" if then else ""))
 
     def _request(self, server: Server, body: dict) -> dict:
         try:
