@@ -80,8 +80,9 @@ class LocalServers:
                 code = self.procs[k].poll()
                 if code is not None:
                     tail = self.logs[k].read_text(errors="replace").splitlines()[-15:]
-                    raise RolloutError(f"rollout server {k} exited with code {code} while starting; the end of "
-                                       f"{self.logs[k]}:\n" + "\n".join(tail))
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    raise RolloutError(f"rollout server {k} {how} while starting; " + (
+                        f"the end of {self.logs[k]}:\n" + "\n".join(tail) if tail else f"{self.logs[k]} is empty"))
                 if _healthy(self.urls[k]):
                     waiting.discard(k)
             elapsed = time.monotonic() - t0

@@ -140,8 +140,8 @@ class RemoteRollout:
 
     def live(self) -> list[Server]:
         if not self.servers:
-            raise RolloutError("every rollout server has failed; restart them (`zerokl serve`): they rejoin at the "
-                               "next weight sync, or resume the run from its last checkpoint (--resume)")
+            raise RolloutError("every rollout server has failed: with the servers up again (`zerokl serve`, or the "
+                               "ones a run starts itself), resume the run from its last checkpoint (--resume)")
         return self.servers
 
     def _drop(self, server: Server, error: Exception, then: str = "") -> None:
@@ -151,7 +151,7 @@ class RemoteRollout:
             self.checksums.pop(server.url, None)
             self.vision_synced.pop(server.url, None)
             self.log(f"rollout server {server.url} failed ({error}); {len(self.servers)} left"
-                     + (f", {then}" if then else ""))
+                     + (f", {then}" if then and self.servers else ""))
 
     def _request(self, server: Server, body: dict) -> dict:
         try:
