@@ -33,8 +33,10 @@ def _timed_rows(checkpoint: str, kernels: str, args: argparse.Namespace) -> dict
     rows = {}
     try:
         for batch in args.batch_sizes:
-            call = lambda seed: engine.generate([prompt] * batch, temperature=1.0, max_tokens=args.max_tokens,  # noqa: E731
-                                                seed=seed, ignore_eos=True)
+            def call(seed: int) -> None:
+                engine.generate([prompt] * batch, temperature=1.0, max_tokens=args.max_tokens, seed=seed,
+                                ignore_eos=True)
+
             call(0)
             times = []
             for rep in range(args.reps):

@@ -6,10 +6,11 @@ spawned worker imports vLLM again: about 10 s of CPU for every engine. Forked fr
 process starts in 3.3 s instead of 10.8 s (k3-micro, 2-core CPU); the first pays the server's imports once. A worker
 still runs with the environment its engine's builder has when it starts the worker (carried with the process object
 and installed before vLLM's entry point runs), not the server's; only what a module reads when it is imported (OpenMP
-reads `OMP_NUM_THREADS` when it loads) is the server's, and vLLM's CPU worker sets its threads and their cores itself. The forkserver is shared with every other user of
-it in this process (`zerokl.ppo.environments`): whichever starts it first names what it imports; each works with
-the other's. The patch covers `get_mp_context` as `vllm/v1/executor/multiproc_executor.py` of vLLM 0.32.0 imports it
-(the workers' context, `MultiprocExecutor._init_executor` and `WorkerProc.make_worker_process`), on CPU only.
+reads `OMP_NUM_THREADS` when it loads) is the server's, and vLLM's CPU worker sets its threads and their cores itself.
+The forkserver is shared with every other user of it in this process (`zerokl.ppo.environments`): whichever starts it
+first names what it imports; each works with the other's. The patch covers `get_mp_context` as
+`vllm/v1/executor/multiproc_executor.py` of vLLM 0.32.0 imports it (the workers' context,
+`MultiprocExecutor._init_executor` and `WorkerProc.make_worker_process`), on CPU only.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def test_every_arrow_points_down() -> None:
     assert not up, "imports that point up or across the engines:\n" + "\n".join(up)
 
 
-ROLLOUT_ROOM = {"sampling": 0, "speculative": 0, "worker_processes": 0, "generate": 1, "vllm": 2, "server": 3, "client": 4, "engine": 5}
+ROLLOUT_ROOM = {"sampling": 0, "speculative": 0, "worker_processes": 0, "generate": 1, "vllm": 2, "server": 3,
+                "client": 4, "engine": 5}
 
 
 def test_rollout_rooms_point_down() -> None:

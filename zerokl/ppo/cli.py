@@ -30,7 +30,7 @@ from pathlib import Path
 
 from parity.config import ConfigError
 from zerokl.argtypes import kernel_set, positive_int
-from zerokl.ppo.config import PPOConfig, load_ppo_config
+from zerokl.ppo.config import ON_MISMATCH, WANDB_MODES, PPOConfig, load_ppo_config
 from zerokl.tasks import RewardError
 
 
@@ -222,10 +222,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "checkpoints (OUT/checkpoints/step-N)")
     p.add_argument("--kernels", type=kernel_set, help="invariant, triton (CUDA, or TRITON_INTERPRET=1 on CPU), or "
                    "fast = plain torch ops on both sides (the non-invariant baseline: expect the zero-KL check to fail)")
-    p.add_argument("--on-mismatch", choices=("stop", "warn"), help="warn: keep training and record the drift")
+    p.add_argument("--on-mismatch", choices=ON_MISMATCH, help="warn: keep training and record the drift")
     p.add_argument("--lora", action="store_true", help="train only a LoRA adapter (config keys lora_rank, "
                    "lora_alpha, lora_targets, lora_init) and sync only the adapter into the rollout engine")
-    p.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default offline)")
+    p.add_argument("--wandb", choices=WANDB_MODES, help="wandb mode (default offline)")
     p.add_argument("--backend", choices=("megatron", "deepspeed"), help="trainer backend (default: the config's, "
                    "megatron)")
     p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")

@@ -25,7 +25,8 @@ from zerokl.ppo.algo import KL_ESTIMATORS
 GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95, "vf_coef": 0.1, "value_clip": 0.2, "value_lr": 1e-2}  # only gae reads
 LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0}  # with lora: true and no lora_init (PEFT's init)
 LORA_INIT_KEYS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter from lora_init brings itself
-
+ON_MISMATCH = ("stop", "warn")
+WANDB_MODES = ("offline", "online", "disabled")
 
 @dataclass(frozen=True)
 class PPOConfig:
@@ -146,17 +147,15 @@ class PPOConfig:
             get_kernels(self.kernels)  # 'triton' needs CUDA or TRITON_INTERPRET=1
         except ValueError as e:
             raise ConfigError(f"ppo config: kernels {self.kernels!r}: {e}") from None
-        _choice("on_mismatch", self.on_mismatch, ("stop", "warn"))
+        _choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
         _choice("sync", self.sync, ("shared_memory", "disk", "torch_distributed"))
         self._check_rollout_servers()
-        _choice("wandb", self.wandb, ("offline", "online", "disabled"))
+        _choice("wandb", self.wandb, WANDB_MODES)
         _choice("backend", self.backend, BACKENDS)
         if self.backend == "deepspeed":
             if self.zero_stage is None:
                 object.__setattr__(self, "zero_stage", DEFAULT_ZERO_STAGE)
-            if self.zero_stage not in ZERO_STAGES:
-                raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, "
-                                  f"got {self.zero_stage!r}")
+            _zero_stage(self.zero_stage)
             _choice("data_parallel", self.data_parallel, ("replicate", "shard"))
         elif self.zero_stage is not None:
             raise ConfigError(f"ppo config: zero_stage is only read with backend: deepspeed, not {self.backend!r}; "
@@ -167,8 +166,7 @@ class PPOConfig:
         self._check_lora_keys()
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "max_turns", "checkpoint_every",
                      "ppo_epochs", "num_minibatches", "parity_check_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"ppo config: {name} must be >= 1, got {getattr(self, name)}")
+            _at_least(name, getattr(self, name), 1)
         if self.num_minibatches > self.prompts_per_step * self.samples_per_prompt:
             raise ConfigError(f"ppo config: num_minibatches = {self.num_minibatches} is more than the "
                               f"{self.prompts_per_step * self.samples_per_prompt} samples of a step "
@@ -256,8 +254,7 @@ class PPOConfig:
 
     def _check_rollout_servers(self) -> None:
         """rollout_servers (URLs) or num_rollout_servers (started here), not both; what they do not run."""
-        if self.num_rollout_servers < 0:
-            raise ConfigError(f"ppo config: num_rollout_servers must be >= 0, got {self.num_rollout_servers}")
+        _at_least("num_rollout_servers", self.num_rollout_servers, 0)
         if self.rollout_servers is not None and self.num_rollout_servers:
             raise ConfigError("ppo config: give rollout_servers (running servers) or num_rollout_servers (servers "
                               "started by this run), not both")
@@ -367,8 +364,8 @@ def _zero_stage(value: int | None) -> None:
 OWN_VALUE_CHECKS: dict[str, Callable[[Any], None]] = {
     "steps": lambda v: _at_least("steps", v, 1),
     "kernels": lambda v: _choice("kernels", v, KERNEL_SETS),
-    "on_mismatch": lambda v: _choice("on_mismatch", v, ("stop", "warn")),
-    "wandb": lambda v: _choice("wandb", v, ("offline", "online", "disabled")),
+    "on_mismatch": lambda v: _choice("on_mismatch", v, ON_MISMATCH),
+    "wandb": lambda v: _choice("wandb", v, WANDB_MODES),
     "backend": lambda v: _choice("backend", v, BACKENDS),
     "zero_stage": _zero_stage,
     "num_rollout_servers": lambda v: _at_least("num_rollout_servers", v, 0),
