@@ -56,7 +56,8 @@ _ROUTING: ContextVar[list[torch.Tensor] | None] = ContextVar("zerokl_routing", d
 @contextmanager
 def record_routing() -> Iterator[list[torch.Tensor]]:
     """Collect the experts every MoE layer chooses inside the block, from any `K3Forward` (subclasses included) in
-    this context: one [*input dims, top_k] tensor of expert ids per MoE layer call, in call order, on the CPU.
+    this context: one [*input dims, top_k] tensor of expert ids per MoE layer call, in call order, on the input's
+    device (nothing is read back to the host: a CUDA graph can hold the recording).
     Recording reads the router's output only; the forward's arithmetic is unchanged."""
     log: list[torch.Tensor] = []
     token = _ROUTING.set(log)
@@ -171,7 +172,7 @@ class K3Forward(MLAttention, ExpertWeights):
                                     c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
         log = _ROUTING.get()
         if log is not None:
-            log.append(ids.detach().view(*x.shape[:-1], ids.shape[-1]).cpu())
+            log.append(ids.detach().view(*x.shape[:-1], ids.shape[-1]))
         latent = flat if c.routed_expert_hidden_size is None else self._lin(flat, f"{p}.routed_expert_down_proj.weight")
         routed = self._routed_experts(latent, ids, weights, p).to(latent.dtype)
         if c.routed_expert_hidden_size is not None:

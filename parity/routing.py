@@ -52,5 +52,5 @@ def per_sequence(log: Sequence[torch.Tensor], lens: torch.Tensor) -> list[torch.
     for a model without MoE layers (nothing recorded)."""
     if not log:
         return []
-    stacked = torch.stack(list(log), dim=2)  # [B, T, L, k]
+    stacked = torch.stack(list(log), dim=2).cpu()  # [B, T, L, k]
     return [stacked[b, : int(n) - 1] for b, n in enumerate(lens.tolist())]

@@ -34,8 +34,9 @@ import torch
 
 from lora.push import VERSION_SEP
 from parity.config import load_model_config
+from parity.kernels import platform_device
 from rollout import worker_processes
-from rollout.vllm import compat, records
+from rollout.vllm import compat, graphs, records
 from rollout.sampling import (ImagePrompt, RolloutError, Sample, check_sampling, prompt_seeds, root_message,
                               sample_seed)
 from rollout.vllm.plugin import WEIGHT_BACKEND, hf_overrides
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
 # Engine arguments the engine sets itself: parity depends on them.
-_FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "enforce_eager", "weight_transfer_config",
+_FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "compilation_config", "weight_transfer_config",
                "distributed_executor_backend")
 WORKER_TRANSPORTS = ("shared_memory", "disk")  # what reaches vLLM's worker processes (`Memory` stays in this one)
 _MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -61,13 +62,15 @@ class RolloutEngine:
     negative control).
     vision: serve the checkpoint's vision tower (prompts may carry images, `ImagePrompt`); default: when it has one.
     vision_synced: the tower takes weight syncs (full bundles carry its tensors: a run that trains it).
+    enforce_eager: no CUDA graphs; otherwise a CUDA engine replays its decode steps from graphs where
+    `rollout.vllm.graphs` allows (the same bits as eager).
     engine_args: further `vllm.LLM` arguments (max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, prefix_match_unit (prefix hits inside a cache block), num_gpu_blocks_override,
     max_model_len, ...).
     """
 
     def __init__(self, checkpoint: str | Path, kernels: str = "invariant", vision: bool | None = None,
-                 vision_synced: bool = False, **engine_args: Any):
+                 vision_synced: bool = False, enforce_eager: bool = False, **engine_args: Any):
         fixed = sorted(set(engine_args) & set(_FIXED_ARGS))
         if fixed:
             raise RolloutError(f"RolloutEngine sets {', '.join(fixed)} itself (parity depends on them)")
@@ -89,9 +92,11 @@ class RolloutEngine:
                                                                         model_cfg.text, kernels)
             engine_args.setdefault("disable_log_stats", False)
             engine_args.setdefault("enable_prefix_caching", False)  # vLLM's default is on; drafts run without it
+        self.graphs = graphs.graphed(platform_device().type, enforce_eager, bool(engine_args.get("enable_lora")),
+                                     self.speculative, self.vision)
         with _engine_core_in_process():
             self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,
-                           logprobs_mode="processed_logprobs", enforce_eager=True,
+                           logprobs_mode="processed_logprobs", **graphs.engine_args(self.graphs),
                            weight_transfer_config={"backend": WEIGHT_BACKEND}, distributed_executor_backend="mp",
                            **engine_args)
         self.llm.llm_engine.set_weight_version("0")

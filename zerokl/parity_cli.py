@@ -47,6 +47,8 @@ def _checker(args: argparse.Namespace, lora: str | None = None):
     engine_args = dict(ENGINE_ARGS)
     if getattr(args, "speculative", None) is not None:
         engine_args["speculative_config"] = args.speculative
+    if getattr(args, "enforce_eager", False):
+        engine_args["enforce_eager"] = True
     return Checker(args.model, kernels=args.kernels, engine_args=engine_args, lora=lora, backend=args.backend,
                    zero_stage=_zero_stage(args), tp=getattr(args, "tp", 1))
 
@@ -186,6 +188,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help='roll out with speculative decoding: {"method": "mtp" (the checkpoint\'s MTP layers) or '
                         '"dspark" (with "model": a DSpark draft checkpoint), "num_speculative_tokens": 1-5, '
                         '"draft_sample_method": "probabilistic" (default) or "greedy"}; verified on the parity kernels')
+    c.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every decode step eagerly instead of replaying vLLM's CUDA graphs (the same "
+                        "bits either way)")
     c.set_defaults(func=_run_check)
     st = psub.add_parser("selftest", help="one-ulp rollout-side weight perturbations must be detected and localised")
     _add_check_args(st, num_prompts=8, max_tokens=16)

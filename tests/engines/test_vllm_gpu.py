@@ -92,6 +92,38 @@ def test_serve_on_the_gpu_answers_the_openai_client_with_the_offline_engines_log
         assert torch.equal(torch.tensor(logprobs, dtype=torch.float32), want.logprobs), f"prompt {i}: log-probs differ"
 
 
+GRAPH_PROMPTS = [[3 + i, 11, 200 + 5 * i] * (1 + i % 4) for i in range(12)]
+
+
+def test_decode_replayed_from_cuda_graphs_gives_the_eager_engines_bits(k3_micro: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same requests through an engine whose decode steps replay vLLM's CUDA graphs and through an eager one
+    (`enforce_eager`): equal tokens, processed and raw log-probs and experts, bit for bit; the graphed engine holds
+    graphs for its decode batches."""
+    from rollout.engine import RolloutEngine
+    from rollout.vllm.graphs import captured
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    runs = {}
+    for eager in (False, True):
+        engine = RolloutEngine(k3_micro, max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.3,
+                               enforce_eager=eager)
+        try:
+            assert engine.graphs is not eager
+            if not eager:
+                assert engine.llm.collective_rpc(captured)[0], "no decode graph was captured"
+            runs[eager] = engine.generate(GRAPH_PROMPTS, n=2, temperature=1.0, max_tokens=24,
+                                          seed=list(range(len(GRAPH_PROMPTS))), record=True)
+        finally:
+            engine.close()
+    for i, (graphed, eager) in enumerate(zip(runs[False], runs[True])):
+        assert graphed.completion_ids == eager.completion_ids, f"sample {i}: tokens differ"
+        assert torch.equal(graphed.logprobs, eager.logprobs), f"sample {i}: log-probs differ"
+        assert torch.equal(graphed.raw_logprobs, eager.raw_logprobs), f"sample {i}: raw log-probs differ"
+        assert (graphed.routing is None) == (eager.routing is None)
+        assert graphed.routing is None or torch.equal(graphed.routing, eager.routing), f"sample {i}: experts differ"
+
+
 def test_ppo_through_vllm_on_the_gpu_keeps_kl_zero(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run = _zerokl("ppo", "--config", "configs/ppo-tiny-mxfp4.yaml", "--steps", "3", "--out", str(out), "--wandb",

@@ -1,0 +1,39 @@
+"""Which zerokl engines vLLM runs with CUDA graphs: decode steps on CUDA, in vLLM's FULL_DECODE_ONLY mode.
+
+A step of single-token decodes runs as one dense group (`rollout.vllm.caches.StepGroup.uniform`) with every index on
+the device and nothing read back to the host, over metadata that are views of the model runner's persistent buffers
+(`rollout.vllm.backends`), so vLLM's FULL_DECODE_ONLY capture holds the whole forward (no torch.compile: compilation
+mode NONE) and a replay launches the eager step's kernels on the same inputs: the same bits (a GPU test compares an
+eager engine with a graphed one token for token). Prefill and mixed steps run eagerly. Eager throughout: every CPU
+engine (vLLM's CPU runner has no graphs), LoRA (a step's adapter groups are chosen on the host), speculative decoding
+and the vision tower (neither yet run on the GPU path), and `enforce_eager`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: vLLM's CompilationMode.NONE
+
+
+def graphed(device: str, enforce_eager: bool = False, lora: bool = False, speculative: bool = False,
+            vision: bool = False) -> bool:
+    """Whether an engine on `device` ("cuda" or "cpu") with these settings replays its decode steps from graphs."""
+    return device == "cuda" and not (enforce_eager or lora or speculative or vision)
+
+
+def engine_args(graphs: bool) -> dict[str, Any]:
+    """`vllm.LLM` arguments: decode graphs, or eager."""
+    return {"enforce_eager": False, "compilation_config": dict(COMPILATION)} if graphs else {"enforce_eager": True}
+
+
+def server_argv(graphs: bool) -> list[str]:
+    """The API server's flags for the same."""
+    return ["--compilation-config", json.dumps(COMPILATION)] if graphs else ["--enforce-eager"]
+
+
+def captured(worker: Any) -> list[int]:
+    """In a worker (`LLM.collective_rpc`): the token counts of the decode batches its model holds CUDA graphs for."""
+    entries = getattr(worker.model_runner.model, "concrete_cudagraph_entries", {})
+    return sorted(d.num_tokens for d, e in entries.items() if e.cudagraph is not None)
