@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 # Engine arguments the engine sets itself: parity depends on them.
 _FIXED_ARGS = ("model", "dtype", "hf_overrides", "logprobs_mode", "compilation_config", "weight_transfer_config",
                "distributed_executor_backend")
-WORKER_TRANSPORTS = ("shared_memory", "disk")  # what reaches vLLM's worker processes (`Memory` stays in this one)
+# what reaches vLLM's worker processes (`Memory` stays in this one; `cuda_ipc` needs the sender on the engine's GPU)
+WORKER_TRANSPORTS = ("shared_memory", "cuda_ipc", "disk")
 _MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 

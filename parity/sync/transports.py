@@ -7,6 +7,10 @@ bundle` on the receiving side (the same class, or `by_name(transport.name)` in a
 - `SharedMemory`: the tensors' bytes back to back in one POSIX shared-memory segment (`/dev/shm`) per version, the
   message lays them out, for a receiver in another process of this host (vLLM's workers): one copy in, one out, no
   disk. `release` unlinks the segment.
+- `CudaIpc`: CUDA tensors packed into one device buffer per version, the message its CUDA IPC handle and the layout,
+  for a receiver in another process on the same GPU (vLLM's worker colocated with the trainer): one copy on the
+  device in, the receiver's views of the mapped buffer out (copied into its parameters device to device); nothing
+  crosses to the host. `release` drops the sender's buffer (torch keeps it until the receiver's views are gone).
 - `Disk`: safetensors + a JSON manifest (version, kind, checksums) written once to `ROOT/v{version}` through a
   temporary directory and an atomic rename; the message names the directory. `Disk()` (no root) only receives.
 - `TorchDistributed`: broadcasts the manifest, then the tensors in name order packed into byte buckets, from a source
@@ -101,6 +105,52 @@ class SharedMemory:
 
     def release(self, message: Message) -> None:
         Path(message["segment"]).unlink(missing_ok=True)
+
+
+@dataclass
+class CudaIpc:
+    """Every tensor of a version back to back (`ALIGN`ed) in one CUDA buffer on the tensors' device (the bundle's few
+    CPU tensors copied onto it), shared by its IPC handle (`torch.multiprocessing.reductions.reduce_tensor`)."""
+
+    name: str = "cuda_ipc"
+    held: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers sent and not yet released, by message id
+
+    def send(self, bundle: WeightBundle) -> Message:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        items = sorted(bundle.tensors.items())
+        devices = {t.device for _, t in items if t.device.type == "cuda"}
+        if len(devices) != 1:
+            raise SyncError(f"the cuda_ipc transport carries the tensors of one CUDA device (CPU tensors are copied "
+                            f"onto it), got {sorted({str(t.device) for _, t in items})}: use shared_memory")
+        layout, offset = [], 0
+        for n, t in items:
+            layout.append((n, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+            offset = -(-(offset + _nbytes(t)) // ALIGN) * ALIGN
+        buffer = torch.empty(max(offset, ALIGN), dtype=torch.uint8, device=next(iter(devices)))
+        for (n, t), (_, _, _, start) in zip(items, layout):
+            if t.numel():
+                buffer[start : start + _nbytes(t)].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        key = uuid.uuid4().hex
+        self.held[key] = buffer
+        return {"version": bundle.version, "kind": bundle.kind, "id": key, "handle": reduce_tensor(buffer),
+                "layout": layout, "checksums": dict(bundle.checksums)}
+
+    def receive(self, message: Message) -> WeightBundle:
+        try:
+            rebuild, args = message["handle"]
+            buffer = rebuild(*args)
+        except Exception as e:  # a stale or foreign handle: CUDA's error, as a sync error
+            raise SyncError(f"CUDA IPC weight update {message.get('version')}: the buffer cannot be opened "
+                            f"({type(e).__name__}: {e})") from None
+        tensors = {}
+        for n, dtype, shape, start in message["layout"]:
+            dt = getattr(torch, dtype)
+            tensors[n] = buffer[start : start + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+        return WeightBundle(int(message["version"]), str(message["kind"]), tensors, dict(message["checksums"]))
+
+    def release(self, message: Message) -> None:
+        self.held.pop(message["id"], None)
 
 
 @dataclass
@@ -233,7 +283,7 @@ class TorchDistributed:
         pass
 
 
-RECEIVING = {"memory": Memory, "shared_memory": SharedMemory, "disk": Disk}
+RECEIVING = {"memory": Memory, "shared_memory": SharedMemory, "cuda_ipc": CudaIpc, "disk": Disk}
 
 
 def by_name(name: str) -> Transport:

@@ -95,6 +95,7 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"rollout_servers": "[http://h:1]", "num_rollout_servers": "2"}, "give rollout_servers (running servers) or"),
     ({"num_rollout_servers": "-1"}, "num_rollout_servers must be >= 0"),
     ({"sync": "torch_distributed"}, "sync torch_distributed reaches rollout servers"),
+    ({"sync": "cuda_ipc", "num_rollout_servers": "1"}, "sync cuda_ipc reaches the in-process engine"),
     ({"data_parallel": "shard"}, "data_parallel is only read with backend: deepspeed"),
     ({"backend": "deepspeed", "data_parallel": "both"}, "data_parallel must be one of replicate, shard"),
     ({"backend": "deepspeed", "data_parallel": "shard"}, "data_parallel: shard needs several processes"),
@@ -121,6 +122,13 @@ def test_ppo_config_values_are_checked(keys: dict[str, str], says: str, k3_tiny:
     config = _ppo_config(tmp_path, k3_tiny, **keys)
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config), says)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_ppo_cuda_ipc_sync_needs_a_gpu(k3_tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = _ppo_config(tmp_path, k3_tiny, sync="cuda_ipc")
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config),
+                "sync cuda_ipc needs a CUDA GPU")
 
 
 def test_ppo_reference_must_be_a_checkpoint_of_the_policys_architecture(k3_tiny: Path, k3_tiny_mxfp4: Path,

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from parity.config import ConfigError, load_model_config
-from parity.kernels import KERNEL_SETS, get_kernels
+from parity.kernels import KERNEL_SETS, get_kernels, platform_device
 from parity.kernels.logprobs import Sampling
 from trainer.backend import BACKENDS, DEFAULT_ZERO_STAGE, ZERO_STAGES
 from zerokl.tasks import make_task, resolve_paths
@@ -27,6 +27,7 @@ LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16.0}  # with lora: true and no l
 LORA_INIT_KEYS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter from lora_init brings itself
 ON_MISMATCH = ("stop", "warn")
 WANDB_MODES = ("offline", "online", "disabled")
+SYNC_TRANSPORTS = ("shared_memory", "disk", "cuda_ipc", "torch_distributed")
 
 @dataclass(frozen=True)
 class PPOConfig:
@@ -69,8 +70,9 @@ class PPOConfig:
     seed: int = 0
     kernels: str = "invariant"
     on_mismatch: str = "stop"
-    sync: str = "shared_memory"  # weight transport into the engine's processes: shared_memory, disk (OUT/sync), or
-    # torch_distributed (rollout servers only: a broadcast over a gloo / NCCL group joined per sync)
+    sync: str = "shared_memory"  # weight transport into the engine's processes: shared_memory, disk (OUT/sync),
+    # cuda_ipc (the engine on the trainer's GPU: device to device), or torch_distributed (rollout servers only: a
+    # broadcast over a gloo / NCCL group joined per sync)
     rollout_servers: list[str] | None = None  # URLs of running `zerokl serve` servers: rollouts and syncs over HTTP
     num_rollout_servers: int = 0  # > 0: `zerokl ppo` starts this many servers on this machine (and stops them)
     checkpoint_every: int = 25
@@ -148,7 +150,7 @@ class PPOConfig:
         except ValueError as e:
             raise ConfigError(f"ppo config: kernels {self.kernels!r}: {e}") from None
         _choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
-        _choice("sync", self.sync, ("shared_memory", "disk", "torch_distributed"))
+        _choice("sync", self.sync, SYNC_TRANSPORTS)
         self._check_rollout_servers()
         _choice("wandb", self.wandb, WANDB_MODES)
         _choice("backend", self.backend, BACKENDS)
@@ -267,7 +269,14 @@ class PPOConfig:
         remote = bool(self.rollout_servers) or self.num_rollout_servers > 0
         if self.sync == "torch_distributed" and not remote:
             raise ConfigError("ppo config: sync torch_distributed reaches rollout servers; the in-process engine "
-                              "takes shared_memory or disk (or give rollout_servers / num_rollout_servers)")
+                              "takes shared_memory, cuda_ipc or disk (or give rollout_servers / num_rollout_servers)")
+        if self.sync == "cuda_ipc":
+            if remote:
+                raise ConfigError("ppo config: sync cuda_ipc reaches the in-process engine on the trainer's GPU; rollout "
+                                  "servers take torch_distributed, shared_memory or disk")
+            if platform_device().type != "cuda":
+                raise ConfigError("ppo config: sync cuda_ipc needs a CUDA GPU (the engine's and the trainer's); this "
+                                  "machine has none: use shared_memory")
 
     def _check_lora_keys(self) -> None:
         """The adapter keys: refused without lora, and (but lora_init) with lora_init, whose adapter brings its own;

@@ -26,7 +26,7 @@ from parity.config import ConfigError
 from parity.io.vision import vision_specs
 from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
-from parity.sync.transports import Disk, SharedMemory, SyncResult, WeightSync
+from parity.sync.transports import CudaIpc, Disk, SharedMemory, SyncResult, WeightSync
 from parity.weights import serving_weights
 from zerokl.ppo.config import PPOConfig
 
@@ -37,7 +37,7 @@ class SyncFailed(RuntimeError):
 
 def sync_transport(cfg: PPOConfig, out: Path) -> Transport | None:
     """The transport `sync` names (None: torch_distributed, which `rollout.client.remote` sets up per sync)."""
-    return {"disk": lambda: Disk(out / "sync"), "shared_memory": SharedMemory,
+    return {"disk": lambda: Disk(out / "sync"), "shared_memory": SharedMemory, "cuda_ipc": CudaIpc,
             "torch_distributed": lambda: None}[cfg.sync]()
 
 
