@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -165,36 +166,36 @@ def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool) -> N
         assert got["sums"] == {n: checksum(t) for n, t in _weights(7).items()}
 
 
-def _ipc_receiver(rank: int, messages: object, results: object) -> None:
+def _ipc_receiver(rank: int, message_file: str) -> None:
     """A receiving process on the same GPU: rebuilds the `cuda_ipc` bundle (`by_name`, as a vLLM worker does),
-    applies it to a store on its GPU (checksums verified there) and reports the tensors' checksums."""
+    applies it to a store on its GPU (checksums verified there) and saves the tensors' checksums, or the error."""
     store = TensorStore({n: t.cuda() for n, t in _weights(0).items()})
-    message = messages.get()
+    with open(message_file, "rb") as f:
+        message = pickle.load(f)
     try:
         store.receive(by_name("cuda_ipc"), message)
-        results.put({"version": store.version, "sums": {n: checksum(t) for n, t in store.tensors.items()}})
+        result = {"version": store.version, "sums": {n: checksum(t) for n, t in store.tensors.items()}}
     except SyncError as e:
-        results.put({"error": str(e)})
+        result = {"error": str(e)}
+    torch.save(result, f"{message_file}.result")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_ipc_round_trip_between_processes_on_one_gpu() -> None:
+def test_cuda_ipc_round_trip_between_processes_on_one_gpu(tmp_path: Path) -> None:
     """The sender's tensors on the GPU, a receiver in another process on the same GPU: the bundle arrives verified
     (every checksum computed on the receiver's device), bit for bit; a corrupted bundle is refused there."""
-    ctx = mp.get_context("spawn")
-    messages, results = ctx.Queue(), ctx.Queue()
     ipc = CudaIpc()
     want = {n: t.cuda() for n, t in _weights(7).items()}
-    for bundle in (WeightBundle.make(1, want), _corrupt(WeightBundle.make(1, want), "a.weight")):
-        proc = ctx.Process(target=_ipc_receiver, args=(0, messages, results))
-        proc.start()
+    good = WeightBundle.make(1, want)
+    for bundle in (good, _corrupt(good, "a.weight")):
         message = ipc.send(bundle)
-        messages.put(message)
-        got = results.get(timeout=120)
-        proc.join(timeout=60)
+        path = tmp_path / "message.pkl"
+        path.write_bytes(pickle.dumps(message))
+        mp.start_processes(_ipc_receiver, args=(str(path),), nprocs=1, start_method="spawn")
         ipc.release(message)
-        if bundle.tensors["a.weight"] is want["a.weight"]:
+        got = torch.load(f"{path}.result")
+        if bundle is good:
             assert got == {"version": 1, "sums": {n: checksum(t) for n, t in want.items()}}
         else:
             assert "a.weight: checksum mismatch" in got["error"]
