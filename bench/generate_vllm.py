@@ -2,7 +2,9 @@
 size on the same checkpoint, prompts and seeds, with the ratio (invariant time / fast time).
 
 Each kernel set gets its own `RolloutEngine` (one at a time, on `--gpu-memory-utilization` of the device); a first
-call at each batch size compiles and warms (not timed), then `--reps` timed calls, the median kept. Every prompt is
+call at each batch size compiles and warms (not timed), then `--reps` timed calls, the median kept. On CUDA the
+invariant engine replays its decode steps from CUDA graphs and the fast one runs eagerly (`rollout.vllm.graphs`);
+`--enforce-eager` runs both eagerly, like for like. Each row says which. Every prompt is
 the same `--prompt-len` tokens, every sample runs `--max-tokens` tokens (`ignore_eos`), so the rows are decode-bound
 at the batch sizes given.
 
@@ -22,13 +24,14 @@ from pathlib import Path
 KERNEL_SETS = ("invariant", "fast")
 
 
-def _timed_rows(checkpoint: str, kernels: str, args: argparse.Namespace) -> dict[int, float]:
-    """{batch size: median seconds of one generate call} for one kernel set."""
+def _timed_rows(checkpoint: str, kernels: str, args: argparse.Namespace) -> tuple[dict[int, float], str]:
+    """({batch size: median seconds of one generate call}, "graphs" or "eager") for one kernel set."""
     from rollout.engine import RolloutEngine
 
     extra = {"gpu_memory_utilization": args.gpu_memory_utilization} if args.gpu_memory_utilization else {}
     engine = RolloutEngine(checkpoint, kernels=kernels, max_model_len=args.prompt_len + args.max_tokens + 16,
-                           max_num_seqs=max(args.batch_sizes), **extra)
+                           max_num_seqs=max(args.batch_sizes), enforce_eager=args.enforce_eager, **extra)
+    mode = "graphs" if engine.graphs else "eager"
     prompt = [(7 * i) % 1000 + 4 for i in range(args.prompt_len)]
     rows = {}
     try:
@@ -44,11 +47,11 @@ def _timed_rows(checkpoint: str, kernels: str, args: argparse.Namespace) -> dict
                 call(rep + 1)
                 times.append(time.perf_counter() - start)
             rows[batch] = statistics.median(times)
-            print(f"{kernels:9s} batch {batch:3d}: {rows[batch]:.3f} s "
+            print(f"{kernels:9s} ({mode}) batch {batch:3d}: {rows[batch]:.3f} s "
                   f"({batch * args.max_tokens / rows[batch]:.1f} tokens/s)", flush=True)
     finally:
         engine.close()
-    return rows
+    return rows, mode
 
 
 def main() -> int:
@@ -59,16 +62,19 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for either kernel set")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    rows = {kernels: _timed_rows(args.model, kernels, args) for kernels in KERNEL_SETS}
-    print("\n| batch x tokens | invariant | fast | ratio |\n|---|---|---|---|")
+    timed = {kernels: _timed_rows(args.model, kernels, args) for kernels in KERNEL_SETS}
+    rows = {kernels: r for kernels, (r, _) in timed.items()}
+    modes = {kernels: m for kernels, (_, m) in timed.items()}
+    print(f"\n| batch x tokens | invariant ({modes['invariant']}) | fast ({modes['fast']}) | ratio |\n|---|---|---|---|")
     for batch in args.batch_sizes:
         inv, fast = rows["invariant"][batch], rows["fast"][batch]
         print(f"| {batch} x {args.max_tokens} | {inv:.3f} s | {fast:.3f} s | {inv / fast:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
-                                         "seconds": rows}, indent=2, default=str))
+                                         "modes": modes, "seconds": rows}, indent=2, default=str))
     return 0
 
 

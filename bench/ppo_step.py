@@ -6,7 +6,8 @@ steps after the first (which compiles and warms) and the ratio invariant / fast.
 
 Phases are the run's own timings (`zerokl.ppo.metrics.TIMING_KEYS`): generation, the reference and old-log-prob
 passes, the update (the check's forward, backward and optimizer), export + weight sync. The fast run keeps training
-through its mismatches (`--on-mismatch warn`, exit 1): its KL is not 0, which is the point of the control.
+through its mismatches (`--on-mismatch warn`, exit 1): its KL is not 0, which is the point of the control. On CUDA the
+invariant engine replays its decode steps from CUDA graphs and the fast one runs eagerly (`rollout.vllm.graphs`).
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ class RolloutEngine:
                                                                         model_cfg.text, kernels)
             engine_args.setdefault("disable_log_stats", False)
             engine_args.setdefault("enable_prefix_caching", False)  # vLLM's default is on; drafts run without it
-        self.graphs = graphs.graphed(platform_device().type, enforce_eager, bool(engine_args.get("enable_lora")),
-                                     self.speculative, self.vision)
+        self.graphs = graphs.graphed(kernels, platform_device().type, enforce_eager,
+                                     bool(engine_args.get("enable_lora")), self.speculative, self.vision)
         with _engine_core_in_process():
             self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,
                            logprobs_mode="processed_logprobs", **graphs.engine_args(self.graphs),

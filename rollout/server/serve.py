@@ -73,7 +73,7 @@ def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "
     checkpoint's: `run` reads them from it; `vision_synced`: the tower takes weight syncs (a run that trains it). On
     CUDA the server replays decode steps from CUDA graphs where `rollout.vllm.graphs` allows (`--enforce-eager` in
     `vllm_args`: never)."""
-    graphs = graphed(platform_device().type, "--enforce-eager" in vllm_args, lora is not None,
+    graphs = graphed(kernels, platform_device().type, "--enforce-eager" in vllm_args, lora is not None,
                      "--speculative-config" in vllm_args, vision)
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
