@@ -135,7 +135,7 @@ def train(cfg: PPOConfig, out: Path, resume: str | None) -> int:
     from zerokl.ppo.loop import PPORun
     from zerokl.ppo.rollouts import StaleRollout
     from zerokl.ppo.sync import SyncFailed
-    from zerokl.ppo.state import resume_point
+    from zerokl.ppo.state import CheckpointError, resume_point
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
     log = (lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None)  # noqa: E731
@@ -174,7 +174,11 @@ def train(cfg: PPOConfig, out: Path, resume: str | None) -> int:
                 if cfg.on_mismatch == "stop":
                     return 1
             if run_.step % cfg.checkpoint_every == 0 or run_.step == cfg.steps:
-                run_.save_state(out / "checkpoints" / f"step-{run_.step}")
+                try:
+                    run_.save_state(out / "checkpoints" / f"step-{run_.step}")
+                except CheckpointError as e:
+                    log(f"STOPPED at step {run_.step}: {e}")
+                    return 1
         log(f"done: {cfg.steps} steps, metrics in {metrics_path}")
         if cfg.old_logprobs == "rollout":
             log(_old_logprob_savings(steps))

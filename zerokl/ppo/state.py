@@ -4,7 +4,9 @@ Everything the next step depends on is saved: the trainer's state (`TrainerBacke
 adapter/, optimizer), the RNG states (the task samples by the run's Random alone), the step, the policy version, the
 config and process count (`state.json`, plain JSON), and with `max_staleness` the rollouts generated ahead and the kept
 serving weights (`ahead.pt`, plain tensors and lists). A checkpoint is written into a sibling `.partial` directory
-that rank 0 renames into place, so a crash never leaves a half-written `step-N`.
+that rank 0 renames into place, so a crash never leaves a half-written `step-N`; a write that fails (a full disk)
+removes its partial directory and stops the run with `CheckpointError`, the latest complete checkpoint intact, and a
+checkpoint is not begun on a filesystem with less free space than the latest one took.
 """
 
 from __future__ import annotations
@@ -26,8 +28,33 @@ from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.ppo.config import PPOConfig
 from zerokl.ppo.rollouts import Ahead
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the run's latest complete checkpoint is intact. The message says why."""
+
+
 STATE_FILE = "state.json"  # in a checkpoint: step, version, RNG states, config, process count
 AHEAD_FILE = "ahead.pt"  # with max_staleness: the rollouts generated ahead and the kept serving weights
+
+
+def _free_gb(path: Path) -> float:
+    """Free space on the filesystem of `path` (or of its nearest existing parent), in GB."""
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free / 1e9
+
+
+def check_room(path: Path) -> None:
+    """Refuse (CheckpointError) to begin checkpoint `path` when its filesystem has less free space than the latest
+    complete checkpoint beside it took (nothing to compare with before the first one)."""
+    done = [p for p in path.parent.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / STATE_FILE).is_file()]
+    if not done:
+        return
+    latest = max(done, key=lambda p: int(p.name.removeprefix("step-")))
+    need = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) / 1e9
+    free = _free_gb(path)
+    if free < need:
+        raise CheckpointError(f"checkpoint {path.name} would take about {need:.1f} GB (as {latest.name} did) and its "
+                              f"filesystem has {free:.1f} GB free: free space, then --resume {path.parent.parent}")
 
 
 def save(path: Path, cfg: PPOConfig, backend: Any, step: int, version: int, rng: random.Random, ahead: Ahead | None,
@@ -35,18 +62,26 @@ def save(path: Path, cfg: PPOConfig, backend: Any, step: int, version: int, rng:
     """Write the run's state at `path`. Collective: every rank saves its trainer state, rank 0 the rest."""
     rank0 = backend.rank == 0
     tmp = partial_path(path)
+    check_room(path)
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
-    backend.save_state(tmp)
+    try:
+        backend.save_state(tmp)
+        if rank0:
+            if ahead is not None:  # the rollouts generated ahead and the versions they came from
+                ahead.drain()
+                torch.save({"ahead": ahead.record(), "kept": {str(v): w for v, w in kept.items()}}, tmp / AHEAD_FILE)
+            task_rng = rng.getstate()
+            state = {"step": step, "version": version, "task_rng": [task_rng[0], list(task_rng[1]), task_rng[2]],
+                     "torch_rng": torch.get_rng_state().tolist(), "config": asdict(cfg),
+                     "world_size": backend.world_size}
+            (tmp / STATE_FILE).write_text(json.dumps(state))
+    except (OSError, RuntimeError) as e:  # torch's writer reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        latest = "the latest complete checkpoint is intact" if path.parent.is_dir() else "no checkpoint was written"
+        raise CheckpointError(f"writing checkpoint {path.name} failed ({str(e).strip().splitlines()[-1]}); "
+                              f"{_free_gb(path):.1f} GB free on its filesystem; {latest}") from None
     if rank0:
-        if ahead is not None:  # the rollouts generated ahead and the versions they came from
-            ahead.drain()
-            torch.save({"ahead": ahead.record(), "kept": {str(v): w for v, w in kept.items()}}, tmp / AHEAD_FILE)
-        task_rng = rng.getstate()
-        state = {"step": step, "version": version, "task_rng": [task_rng[0], list(task_rng[1]), task_rng[2]],
-                 "torch_rng": torch.get_rng_state().tolist(), "config": asdict(cfg),
-                 "world_size": backend.world_size}
-        (tmp / STATE_FILE).write_text(json.dumps(state))
         commit_partial(path, replace=True)
     backend.barrier()
 
