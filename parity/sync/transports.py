@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +100,7 @@ class SharedMemory:
         for n, dtype, shape, start in message["layout"]:
             dt = getattr(torch, dtype)
             nbytes = math.prod(shape) * dt.itemsize
-            tensors[n] = segment[start : start + nbytes].clone().view(dt).view(shape)
+            tensors[n] = segment[start : start + nbytes].clone().view(dt).view(shape)  # unaligned: copy, then view
         return WeightBundle(int(message["version"]), str(message["kind"]), tensors, dict(message["checksums"]))
 
     def release(self, message: Message) -> None:
@@ -127,10 +127,8 @@ class CudaIpc:
         for n, t in items:
             layout.append((n, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
             offset = -(-(offset + _nbytes(t)) // ALIGN) * ALIGN
-        buffer = torch.empty(max(offset, ALIGN), dtype=torch.uint8, device=next(iter(devices)))
-        for (n, t), (_, _, _, start) in zip(items, layout):
-            if t.numel():
-                buffer[start : start + _nbytes(t)].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        buffer = _pack([t for _, t in items], [start for *_, start in layout], max(offset, ALIGN),
+                       next(iter(devices)))
         key = uuid.uuid4().hex
         self.held[key] = buffer
         return {"version": bundle.version, "kind": bundle.kind, "id": key, "handle": reduce_tensor(buffer),
@@ -143,10 +141,8 @@ class CudaIpc:
         except Exception as e:  # a stale or foreign handle: CUDA's error, as a sync error
             raise SyncError(f"CUDA IPC weight update {message.get('version')}: the buffer cannot be opened "
                             f"({type(e).__name__}: {e})") from None
-        tensors = {}
-        for n, dtype, shape, start in message["layout"]:
-            dt = getattr(torch, dtype)
-            tensors[n] = buffer[start : start + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+        tensors = {n: _view(buffer, start, shape, getattr(torch, dtype))
+                   for n, dtype, shape, start in message["layout"]}
         return WeightBundle(int(message["version"]), str(message["kind"]), tensors, dict(message["checksums"]))
 
     def release(self, message: Message) -> None:
@@ -214,6 +210,20 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _pack(tensors: list[torch.Tensor], starts: list[int], nbytes: int, device: torch.device) -> torch.Tensor:
+    """One uint8 buffer of `nbytes` on `device` holding each tensor's bytes from its start."""
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for start, t in zip(starts, tensors):
+        if t.numel():
+            flat[start : start + _nbytes(t)].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    return flat
+
+
+def _view(flat: torch.Tensor, start: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of `shape` and `dtype` whose bytes start at `start` of a packed uint8 buffer (a view, no copy)."""
+    return flat[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(tuple(shape))
+
+
 @dataclass
 class TorchDistributed:
     """Broadcast from `src` to every rank of `group`; receiving ranks call `receive()` and get the tensors on
@@ -254,10 +264,8 @@ class TorchDistributed:
             if len(tensors) == 1:
                 self._broadcast(tensors[0])
                 continue
-            flat = torch.empty(bucket[-1][1] + _nbytes(tensors[-1]), dtype=torch.uint8, device=tensors[0].device)
-            for (_, start), t in zip(bucket, tensors):
-                flat[start : start + _nbytes(t)].copy_(t.view(-1).view(torch.uint8))
-            self._broadcast(flat)
+            self._broadcast(_pack(tensors, [start for _, start in bucket], bucket[-1][1] + _nbytes(tensors[-1]),
+                                  tensors[0].device))
         return {"version": bundle.version, "kind": bundle.kind}
 
     def receive(self, message: Message | None = None) -> WeightBundle:
@@ -275,8 +283,7 @@ class TorchDistributed:
                                device=self.device)
             self._broadcast(flat)
             for name, start in bucket:
-                shape, dtype = meta[name]
-                tensors[name] = flat[start : start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                tensors[name] = _view(flat, start, *meta[name])
         return WeightBundle(manifest["version"], manifest["kind"], tensors, manifest["checksums"])
 
     def release(self, message: Message) -> None:

@@ -46,7 +46,6 @@ class StepLayout:
 
     query_start_loc: torch.Tensor  # [R + 1] int32
     seq_lens_view: torch.Tensor  # [R] int32: tokens of the request after this step
-    num_tokens: int  # real (unpadded) tokens in the step
     uniform_decode: bool  # every request has exactly one query token (and the step as many tokens as requests)
 
     @property
@@ -75,8 +74,7 @@ class StepLayout:
     @classmethod
     def from_common(cls, common: CommonAttentionMetadata) -> StepLayout:
         r = common.num_reqs
-        return cls(common.query_start_loc[: r + 1], common.seq_lens[:r], common.num_actual_tokens,
-                   common.max_query_len == 1)
+        return cls(common.query_start_loc[: r + 1], common.seq_lens[:r], common.max_query_len == 1)
 
 
 def _leave_on_layers(builder: AttentionMetadataBuilder, meta: object) -> None:

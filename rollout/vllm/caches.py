@@ -182,8 +182,7 @@ class LatentCacheLayer(nn.Module, AttentionLayerBase):
         self.kv_cache = kv_cache.squeeze(1)
 
     def view(self, meta: LatentMetadata, group: StepGroup) -> PagedLatentCache:
-        slots = meta.slot_mapping.long()[group.token_index] if group.dense else group.gather(meta.slot_mapping.long(),
-                                                                                            fill=-1)
+        slots = group.gather(meta.slot_mapping.long(), fill=-1)
         return PagedLatentCache(self.kv_cache, meta.block_table[group.rows], slots,
                                 meta.layout.context_lens[group.rows], self.cfg.mla_latent_size,
                                 None if self.cfg.index_head_dim is None else self.cfg.compute_dtype)

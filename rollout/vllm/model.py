@@ -259,21 +259,15 @@ class ZeroKLK3ForCausalLM(nn.Module, IsHybrid, HasInnerState, SupportsMambaPrefi
         for layer, cache in zip(layers, caches):
             if isinstance(cache, KDACache):
                 layer.write(metadata[layer.prefix], group, cache)
-        if routing is not None:
-            routing = torch.stack(routing, dim=2).int()  # [B, T, L, k]
-        if group.dense:  # row b is flat token b
-            out[: len(group.rows)] = hidden[:, 0]
-            for layer, stream in streams.items():
-                aux[layer][: len(group.rows)] = stream[:, 0].to(out.dtype)
-            if routing is not None:
-                self.routing_rows[: len(group.rows)] = routing[:, 0]
-            return
-        rows = group.token_index[group.valid]
-        out[rows] = hidden[group.valid]
+        if group.dense:  # row b is flat token b: no boolean mask, whose indices would be read back to the host
+            rows, pick = slice(len(group.rows)), (lambda t: t[:, 0])
+        else:
+            rows, pick = group.token_index[group.valid], (lambda t: t[group.valid])
+        out[rows] = pick(hidden)
         for layer, stream in streams.items():
-            aux[layer][rows] = stream[group.valid].to(out.dtype)
+            aux[layer][rows] = pick(stream).to(out.dtype)
         if routing is not None:
-            self.routing_rows[rows] = routing[group.valid]
+            self.routing_rows[rows] = pick(torch.stack(routing, dim=2).int())  # [B, T, L, k] -> the rows' tokens
 
     def zerokl_load_adapter(self, lora_request: Any) -> None:
         """Called by vLLM's worker adapter loader before its own (`rollout.vllm.compat`): read and validate

@@ -29,6 +29,7 @@ ON_MISMATCH = ("stop", "warn")
 WANDB_MODES = ("offline", "online", "disabled")
 SYNC_TRANSPORTS = ("shared_memory", "disk", "cuda_ipc", "torch_distributed")
 
+
 @dataclass(frozen=True)
 class PPOConfig:
     """One PPO run. `model` is a model config (YAML) or a checkpoint directory."""
