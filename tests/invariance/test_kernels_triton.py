@@ -422,6 +422,138 @@ def test_gradients_are_the_invariant_backward_at_the_triton_forward(p: Platform)
             close(gt, rt, 2e-4)
 
 
+def _linear_reference(x, w, a, b, scale, g, magnitudes: bool = False) -> list[torch.Tensor]:
+    """float64 (dX, dW, dA, dB) of y = x W^T + scale (x A^T) B^T for cotangent g; `magnitudes`: the same products
+    over absolute values (the scale of each result's rounding error)."""
+    x, w, a, b, g = (t.double().abs() if magnitudes else t.double() for t in (x, w, a, b, g))
+    s = abs(scale) if magnitudes else scale
+    dt = s * (g @ b)
+    return [g @ w + dt @ a, g.t() @ x, dt.t() @ x, s * (g.t() @ (x @ a.t()))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_gradient_within_its_rounding_bound_of_float64(p: Platform, dtype: torch.dtype) -> None:
+    """The Triton linear's backward (`linear_grad`: dX, dW and the LoRA factors' gradients as GEMMs of the forward's
+    machinery) against float64, with and without LoRA, on a trainer's fp32 master of bf16 values too: within the
+    bound its arithmetic allows (fp32 sums of at most N + M + R terms within gamma = m 2^-24, doubled for
+    second-order terms; in bf16 two roundings on any path (t or dt, the stored gradient), each within 2^-8 compiled or
+    2^-7 interpreted (the interpreter's cast truncates)); deterministic; gradients in their inputs' dtypes."""
+    from parity.quant.bf16 import mark_bf16_valued
+
+    m, k, n, r = 37, 96, 80, 4
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    a, b = torch.randn(r, k, generator=g).to(dtype) / k ** 0.5, torch.randn(n, r, generator=g).to(dtype)
+    cot = torch.randn(m, n, generator=g).to(dtype)
+    bf16_unit = 2.0 ** -7 if INTERP else 2.0 ** -8
+    c = 2 * (n + m + r + 8) * 2.0 ** -24 + (2 * bf16_unit if dtype == torch.bfloat16 else 0.0)
+    master = mark_bf16_valued(w.float()) if dtype == torch.bfloat16 else w
+    for lora in (True, False):
+        def grads() -> list[torch.Tensor]:
+            leaves = [p.t(t).requires_grad_() for t in ((x, master, a, b) if lora else (x, master))]
+            if dtype == torch.bfloat16:
+                mark_bf16_valued(leaves[1])
+            out = p.k.linear(leaves[0], leaves[1], LoRA(leaves[2], leaves[3], 0.5) if lora else None)
+            return list(torch.autograd.grad(out, leaves, p.t(cot)))
+
+        got = grads()
+        assert [t.dtype for t in got] == [x.dtype, master.dtype, *([dtype] * 2 * lora)]
+        ref = _linear_reference(x, w, a if lora else 0 * a, b, 0.5, cot)
+        mag = _linear_reference(x, w, a if lora else 0 * a, b, 0.5, cot, magnitudes=True)
+        for name, gt, rt, mt in zip(("x", "w", "a", "b"), got, ref, mag):
+            err = (gt.double().cpu() - rt).abs()
+            assert bool((err <= c * mt).all()), f"d {name} (lora {lora}): {(err / (c * mt)).max().item():.3g} x the bound"
+        for u, v in zip(got, grads()):
+            assert_bits(u, v)
+
+
+def _experts_case(n: int, e: int, k: int, lat: int, inter: int, dtype: torch.dtype, seed: int) -> tuple:
+    """Random grouped-experts inputs (x, routing weights fp32, w1, w3, w2 in `dtype`), ids (expert e - 1 never
+    chosen) and a cotangent."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, lat, generator=g).to(dtype)
+    w1, w3 = ((torch.randn(e, inter, lat, generator=g) / lat ** 0.5).to(dtype) for _ in range(2))
+    w2 = (torch.randn(e, lat, inter, generator=g) / inter ** 0.5).to(dtype)
+    ids = torch.stack([torch.randperm(e - 1, generator=g)[:k].sort().values for _ in range(n)])
+    wts = torch.rand(n, k, generator=g)
+    return (x, wts, w1, w3, w2), ids, torch.randn(n, lat, generator=g).to(dtype)
+
+
+def _experts_grads(p: Platform, inputs: tuple, ids: torch.Tensor, cot: torch.Tensor, act: str,
+                   linear_beta: float | None) -> list[torch.Tensor]:
+    """The Triton grouped experts' gradients (x, weights, w1, w3, w2) for inputs already on the platform."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = p.k.experts(leaves[0], ids, leaves[1], *leaves[2:], act, 4.0, linear_beta)
+    return list(torch.autograd.grad(out, leaves, cot))
+
+
+def _assert_within_rounding(got: list[torch.Tensor], ref: tuple, mag: tuple, dtype: torch.dtype, n: int, k: int,
+                            lat: int, inter: int) -> None:
+    """|got - ref| <= c * magnitude, element by element, with c from the arithmetic (first-order error analysis:
+    each rounding of a quantity q adds at most u |q|, carried to a result by the sums of absolute values that
+    `magnitudes` computes): fp32 sums of at most 2 lat (a1 in the forward, gh) + 2 inter (dx's two products per K
+    block) + n k (a weight gradient's rows, the slot sum) terms, plus 32 for the activation's transcendental
+    functions and its derivative's few operations, each within gamma = m 2^-24 (doubled for second-order terms);
+    in bf16 at most three roundings to bf16 on any path (gy, ga1 / ga3 or h, the stored gradient), each within
+    2^-8 (round to nearest even, compiled) or 2^-7 (the interpreter's fp32 -> bf16 cast truncates)."""
+    bf16_unit = 2.0 ** -7 if INTERP else 2.0 ** -8
+    c = 2 * (2 * lat + 2 * inter + n * k + 32) * 2.0 ** -24 + (3 * bf16_unit if dtype == torch.bfloat16 else 0.0)
+    for name, gt, rt, mt in zip(("x", "weights", "w1", "w3", "w2"), got, ref, mag):
+        err = (gt.detach().double().cpu() - rt).abs()
+        worst = (err / (c * mt).clamp(min=1e-300)).max().item()
+        assert bool((err <= c * mt).all()), f"d {name}: {worst:.3g} x the bound"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act,linear_beta", [("situ", 25.0), ("situ", None), ("silu", None)])
+def test_experts_gradient_within_its_rounding_bound_of_float64(p: Platform, dtype: torch.dtype, act: str,
+                                                               linear_beta: float | None) -> None:
+    """The grouped experts' Triton backward (`moe_grad`) against its float64 reading, every gradient (x, routing
+    weights, w1, w3, w2) within the bound its arithmetic allows; an expert no token chose gets exact zeros; and the
+    gradient is deterministic (two backward passes, the same bits)."""
+    from parity.kernels.triton.moe_grad import experts_grad_reference
+
+    n, e, k, lat, inter = 9, 8, 3, 64, 48
+    inputs, ids, cot = _experts_case(n, e, k, lat, inter, dtype, seed=3)
+    args = (inputs[0], ids, *inputs[1:], cot, act, 4.0, linear_beta)
+    on = [p.t(t) for t in inputs]
+    got = _experts_grads(p, on, p.t(ids), p.t(cot), act, linear_beta)
+    _assert_within_rounding(got, experts_grad_reference(*args), experts_grad_reference(*args, magnitudes=True),
+                            dtype, n, k, lat, inter)
+    for w in got[2:]:
+        assert not bool(w[e - 1].any())
+    for a, b in zip(got, _experts_grads(p, on, p.t(ids), p.t(cot), act, linear_beta)):
+        assert_bits(a, b)
+
+
+@pytest.mark.parametrize("n", [256, 1000])
+def test_gpu_experts_gradient_at_k3_1b_shapes(gpu: Platform, n: int) -> None:
+    """At k3-1b's routed-expert shapes (64 experts, top 8, latent 768, intermediate 512), bf16: the Triton backward
+    within its rounding bound of float64 (on 40 sampled tokens' rows, whose reference is computed one slot at a time),
+    deterministic, and free of host synchronisation (CUDA's sync-debug mode raises on any device-to-host read)."""
+    from parity.kernels.triton.moe_grad import experts_grad_reference
+
+    e, k, lat, inter = 64, 8, 768, 512
+    inputs, ids, cot = _experts_case(n, e, k, lat, inter, torch.bfloat16, seed=4)
+    on, ids_on, cot_on = [gpu.t(t) for t in inputs], gpu.t(ids), gpu.t(cot)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = _experts_grads(gpu, on, ids_on, cot_on, "situ", 25.0)
+        again = _experts_grads(gpu, on, ids_on, cot_on, "situ", 25.0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(got, again):
+        assert_bits(a, b)
+    x, wts, w1, w3, w2 = inputs
+    rows = torch.arange(0, n, max(1, n // 40))
+    args = (x[rows], ids[rows], wts[rows], w1, w3, w2, cot[rows], "situ", 4.0, 25.0)
+    sub = [got[0][rows.cuda()], got[1][rows.cuda()]]  # the rows' own input gradients (weight gradients sum over all)
+    _assert_within_rounding(sub, experts_grad_reference(*args)[:2], experts_grad_reference(*args, magnitudes=True)[:2],
+                            torch.bfloat16, n, k, lat, inter)
+
+
 # --- attention ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("d,dv", [(48, 32), (288, 272)], ids=["narrow", "wide"])

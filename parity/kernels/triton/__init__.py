@@ -18,9 +18,11 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 | route, experts + combine | `moe.py` | argmax with lowest-index ties; fixed tiles per expert; combine in id order |
 | token_logprobs | `parity.kernels.logprobs` | the rollout engine's sampler arithmetic (torch `log_softmax` on fp32 logits / T, one row-invariant reduction per row; tests check it on CUDA) |
 
-Gradients (`autograd.py`): with a gradient needed, each op runs its Triton forward and takes its backward from
-the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from its chunked form
-(`parity.kernels.kda.kda_for_gradients`).
+Gradients: linear's and the grouped experts' in Triton (`linear_grad.py`: dX and dW as GEMMs of the same machinery;
+`moe_grad.py`: grouped GEMMs over the forward's saved products, the routing on the device; both deterministic and
+reading what the forward saved). Every other op (`autograd.py`) runs its Triton forward and takes its backward
+from the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from its chunked
+form (`parity.kernels.kda.kda_for_gradients`).
 
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
@@ -43,15 +45,16 @@ import torch
 from parity.kernels.kda import kda_for_gradients
 from parity.kernels.moe import experts_stacked
 from parity.kernels.registry import INVARIANT, Kernels
-from parity.kernels.triton import attention, attn_res, conv, dsa, kda, linear, moe, rowwise
+from parity.kernels.triton import attention, attn_res, conv, dsa, kda, moe, rowwise
 from parity.kernels.triton.attention import attention_paged
 from parity.kernels.triton.autograd import trainable
 from parity.kernels.triton.kda import KDAChunkState
 from parity.kernels.triton.moe import experts
+from parity.kernels.triton.linear_grad import linear_trainable
+from parity.kernels.triton.moe_grad import experts_trainable
 
 _TRITON_OPS = dict(
     sigmoid=rowwise.sigmoid,
-    linear=linear.linear,
     rmsnorm=rowwise.rmsnorm,
     gated_rmsnorm=rowwise.gated_rmsnorm,
     l2norm=rowwise.l2norm,
@@ -70,7 +73,7 @@ _TRITON_OPS = dict(
 )
 _GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients)  # where each Triton op's gradient comes from
 TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f)) for f, op in _TRITON_OPS.items()},
-                 token_logprobs=INVARIANT.token_logprobs, experts=trainable(experts, experts_stacked))
+                 linear=linear_trainable, token_logprobs=INVARIANT.token_logprobs, experts=experts_trainable)
 
 
 def _by_device(cpu: Callable, gpu: Callable) -> Callable:

@@ -250,12 +250,14 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor | None = None,
-           lora_b: torch.Tensor | None = None, scale: float = 0.0, config: GemmConfig | None = None) -> torch.Tensor:
-    """x: [M, K], w: [N, K] (same dtype; or packed MXFP4 with bf16 x) -> [M, N] in x's dtype; optional epilogue
-    + (t B^T) * scale with t: [M, R], lora_b: [N, R]. `config` overrides the per-shape table (benchmark sweeps only)."""
+           lora_b: torch.Tensor | None = None, scale: float = 0.0, config: GemmConfig | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] (same dtype; or packed MXFP4 with bf16 x) -> [M, N] in `out_dtype` (default x's dtype;
+    the fp32 total rounded once); optional epilogue + (t B^T) * scale with t: [M, R], lora_b: [N, R]. `config`
+    overrides the per-shape table (benchmark sweeps only)."""
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     packed = isinstance(w, MXFP4Weight)
@@ -294,6 +296,16 @@ def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor 
     return y
 
 
+def gemm_operand(x: torch.Tensor, w: torch.Tensor | MXFP4Weight) -> tuple[torch.Tensor | MXFP4Weight, torch.dtype]:
+    """(the weight as `linear`'s GEMM reads it, the dtype the GEMM runs in) for activations x (`linear`'s rules)."""
+    if isinstance(w, MXFP4Weight):
+        return (w, torch.bfloat16) if x.dtype == torch.bfloat16 else (w.dequantize(x.dtype), x.dtype)
+    if x.dtype == torch.bfloat16 and w.dtype == torch.float32 and holds_bf16_values(w):
+        return w.to(torch.bfloat16), torch.bfloat16  # a trainer's master rounded for the bf16 forward: the engine's
+    dtype = torch.promote_types(x.dtype, w.dtype)
+    return w.to(dtype), dtype
+
+
 def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = None, segments: int = 1) -> torch.Tensor:
     """x: [..., K], w: [N, K] (fp32, bf16 or packed MXFP4) -> [..., N] in x's dtype: x W^T + ((x A^T) B^T) * scale.
     Operands of different dtypes run in fp32 (the bf16 one upcast exactly), except bf16 x on an fp32 weight marked as
@@ -303,15 +315,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = N
     `segments` (the CPU kernel's K segmentation of row-parallel projections) does not apply: this GEMM always adds
     its own fixed K segments (`gemm_config`), which a GPU tensor-parallel split would have to follow."""
     out_dtype = x.dtype
-    if isinstance(w, MXFP4Weight) and x.dtype != torch.bfloat16:
-        w = w.dequantize(x.dtype)
-    if isinstance(w, MXFP4Weight):
-        dtype = torch.bfloat16
-    else:
-        if x.dtype == torch.bfloat16 and w.dtype == torch.float32 and holds_bf16_values(w):
-            w = w.to(torch.bfloat16)  # a trainer's master rounded for the bf16 forward: the engine's bf16 weight
-        dtype = torch.promote_types(x.dtype, w.dtype)
-        w = w.to(dtype)
+    w, dtype = gemm_operand(x, w)
     x = x.to(dtype)
     check_dtype(x, *(() if isinstance(w, MXFP4Weight) else (w,)))
     lead = x.shape[:-1]

@@ -13,6 +13,8 @@ Invariant:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -124,11 +126,12 @@ def _act(a, b, ACT: tl.constexpr, C0, C1, CLIP_UP: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_rows_ptr, L, I,
-                    TOPK, sx, sw_e, sw_n, ss_e, ss_n, sh, C0, C1, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
-                    W_MXFP4: tl.constexpr):
-    """h[p] = act(x[tok] w1_e^T, x[tok] w3_e^T) for the tile's sorted positions p (tok = order[p] // k)."""
+def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, a1_ptr, a3_ptr, order_ptr, t_exp_ptr, t_start_ptr,
+                    t_rows_ptr, L, I, TOPK, sx, sw_e, sw_n, ss_e, ss_n, sh, C0, C1, ACT: tl.constexpr,
+                    CLIP_UP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                    INTERP: tl.constexpr, W_MXFP4: tl.constexpr, SAVE_PRE: tl.constexpr):
+    """h[p] = act(x[tok] w1_e^T, x[tok] w3_e^T) for the tile's sorted positions p (tok = order[p] // k); SAVE_PRE:
+    also the two fp32 products at a1[p], a3[p] (row stride I: what the gradient's activation derivative reads)."""
     tile = tl.program_id(0)
     expert = tl.load(t_exp_ptr + tile).to(tl.int64)
     start = tl.load(t_start_ptr + tile)
@@ -151,8 +154,11 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, order_ptr, t_e
         acc1 = mma(a, w1, acc1, PREC, INTERP)
         acc3 = mma(a, w3, acc3, PREC, INTERP)
     h = _act(acc1, acc3, ACT, C0, C1, CLIP_UP)
-    tl.store(h_ptr + pos[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (rn[None, :] < I))
+    mask = rmask[:, None] & (rn[None, :] < I)
+    tl.store(h_ptr + pos[:, None] * sh + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    if SAVE_PRE:
+        tl.store(a1_ptr + pos[:, None] * I + rn[None, :], acc1, mask=mask)
+        tl.store(a3_ptr + pos[:, None] * I + rn[None, :], acc3, mask=mask)
 
 
 @triton.jit
@@ -209,6 +215,29 @@ def _operands(w: torch.Tensor | MXFP4Weight) -> tuple[torch.Tensor, torch.Tensor
     return w, w, w.stride(0), w.stride(1), 0, 0
 
 
+@dataclass
+class ExpertsPass:
+    """What one forward of the grouped experts leaves for its gradient (`parity.kernels.triton.moe_grad`): the
+    inputs as the GEMMs read them (x contiguous, the weights in x's dtype or packed), the slot sort and tiles, h (x's
+    dtype, by sorted position), y (fp32, by slot) and the fp32 gate / up products a1, a3 (by sorted position)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    w1: torch.Tensor | MXFP4Weight
+    w3: torch.Tensor | MXFP4Weight
+    w2: torch.Tensor | MXFP4Weight
+    act: str
+    beta: float
+    linear_beta: float | None
+    order: torch.Tensor
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    h: torch.Tensor
+    y: torch.Tensor
+    a1: torch.Tensor | None
+    a3: torch.Tensor | None
+
+
 def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor | MXFP4Weight,
             w3: torch.Tensor | MXFP4Weight, w2: torch.Tensor | MXFP4Weight, act: str = "situ", beta: float = 4.0,
             linear_beta: float | None = 25.0) -> torch.Tensor:
@@ -218,6 +247,14 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
     values) and dequantised first with fp32 x, as `linear` does) -> [N, L]:
     out_n = sum_j weights[n, j] * w2[e] act(w1[e] x_n, w3[e] x_n), e = ids[n, j], j = 0..k-1 in order.
     act: 'situ' (beta, linear_beta) or 'silu'. h = act(...) is stored in x's dtype, y in fp32."""
+    return experts_pass(x, ids, weights, w1, w3, w2, act, beta, linear_beta, keep=False)[0]
+
+
+def experts_pass(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor | MXFP4Weight,
+                 w3: torch.Tensor | MXFP4Weight, w2: torch.Tensor | MXFP4Weight, act: str, beta: float,
+                 linear_beta: float | None, keep: bool) -> tuple[torch.Tensor, ExpertsPass | None]:
+    """`experts`' output and, with `keep`, its `ExpertsPass` (the same kernels and bits; the gate / up products
+    are also stored)."""
     if isinstance(w1, MXFP4Weight) and x.dtype != torch.bfloat16:
         w1, w3, w2 = (w.dequantize(x.dtype) if isinstance(w, MXFP4Weight) else w for w in (w1, w3, w2))
     packed = isinstance(w1, MXFP4Weight)
@@ -231,26 +268,29 @@ def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch
     n, k = ids.shape
     n_exp, inter, lat = w1.shape
     x = x.contiguous()
+    out = torch.empty(n, lat, dtype=x.dtype, device=x.device)
+    h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(n * k, lat, dtype=torch.float32, device=x.device)
+    a1, a3 = (torch.empty(n * k, inter, dtype=torch.float32, device=x.device) for _ in range(2)) if keep else (h, h)
+    order, t_exp, t_start, t_rows = _tiles(ids, n_exp, BLOCK_M)
+    kept = ExpertsPass(x, ids, weights, w1, w3, w2, act, beta, linear_beta, order, (t_exp, t_start, t_rows), h, y,
+                       a1, a3) if keep else None
+    if n == 0:
+        return out, kept
     (w1, s1, sw_e, sw_n, ss_e, ss_n), (w3, s3, *_) = _operands(w1), _operands(w3)
     w2, s2, sw2_e, sw2_n, ss2_e, ss2_n = _operands(w2)
-    out = torch.empty(n, lat, dtype=x.dtype, device=x.device)
-    if n == 0:
-        return out
-    order, t_exp, t_start, t_rows = _tiles(ids, n_exp, BLOCK_M)
     n_tiles = t_exp.numel()
     prec = dot_precision(x.dtype)
     bn, bk = 64, 64
-    h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(n * k, lat, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, bn))](
-        x, w1, w3, s1, s3, h, order, t_exp, t_start, t_rows, lat, inter, k, x.stride(0), sw_e, sw_n, ss_e, ss_n,
-        h.stride(0), float(beta), float(linear_beta or 1.0), ACT=0 if act == "silu" else 1,
+        x, w1, w3, s1, s3, h, a1, a3, order, t_exp, t_start, t_rows, lat, inter, k, x.stride(0), sw_e, sw_n, ss_e,
+        ss_n, h.stride(0), float(beta), float(linear_beta or 1.0), ACT=0 if act == "silu" else 1,
         CLIP_UP=linear_beta is not None, BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, W_MXFP4=packed,
-        num_warps=4, num_stages=3)
+        SAVE_PRE=keep, num_warps=4, num_stages=3)
     _down_kernel[(n_tiles, triton.cdiv(lat, bn))](
         h, w2, s2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), sw2_e, sw2_n, ss2_e, ss2_n, y.stride(0),
         BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, W_MXFP4=packed, num_warps=4, num_stages=3)
     br, bl, warps = row_blocks(min(lat, 1024))  # column tiles of at most 1024
     _combine_kernel[(triton.cdiv(n, br), triton.cdiv(lat, bl))](y, weights.contiguous(), out, n, lat, k, BR=br, BL=bl,
                                                                  num_warps=warps)
-    return out
+    return out, kept

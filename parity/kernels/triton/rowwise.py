@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parity.kernels.triton._common import (check_dtype, check_weights, pow2, row_blocks, sigmoid_f32, softplus_f32,
+from parity.kernels.triton._common import (check_dtype, check_weights, row_blocks, sigmoid_f32, softplus_f32,
                                            tanh_f32)
 
 ELEM_BLOCK = 1024
