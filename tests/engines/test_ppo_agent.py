@@ -79,6 +79,12 @@ class Nonsense(Echo):
     def episode(self, problem): return NonsenseEpisode()
 
 
+class SlowStart(Echo):  # making the episode takes longer than a step may
+    def episode(self, problem):
+        time.sleep(1.5)
+        return EchoEpisode(1)
+
+
 class NonsenseEpisode:
     def step(self, action): return {"observation": "?"}
 """
@@ -130,6 +136,14 @@ def test_a_hanging_environment_leaves_nothing_running(environments: Any) -> None
     assert time.monotonic() - t0 < 10 and _environment_processes() == []
     assert set(threading.enumerate()) <= threads
     hung.close()  # idempotent
+
+
+def test_a_step_time_limit_counts_the_step_alone(environments: Any) -> None:
+    """An environment whose process starts and makes its episode slower than a step may take (as on a loaded
+    machine) still answers its first step: the limit starts when the action is sent."""
+    slow = environments("SlowStart")
+    assert slow.step("a guess", 0.5) == Turn("<a guess>", 0.25, True)
+    slow.close()
 
 
 def test_guess_feedback_and_reward() -> None:

@@ -6,7 +6,9 @@ trajectory.
 .episode(problem)`: a user's environment class is imported from its file in the child too) and then answers one
 action at a time. `step(action, timeout_s)` returns the episode's `Turn`, or why there is none (the step raised,
 returned something else, did not answer within `timeout_s`, or the process died); after anything but a `Turn` the
-child is gone. `close()` ends it. Children are forked from one clean server process that has imported the task
+child is gone. A step's time limit counts the step alone: the first one first waits (up to `START_TIMEOUT_S`) for the
+child to say its episode is made, so a slow process start on a loaded machine is never a step that overran.
+`close()` ends it. Children are forked from one clean server process that has imported the task
 modules once (multiprocessing's `forkserver`), never from the run's own process with its engine threads.
 """
 
@@ -21,6 +23,8 @@ from zerokl.tasks.agent import Turn
 from zerokl.tasks.base import Problem
 
 _CONTEXT: Any = None
+_READY = ("zerokl-environment-ready",)  # the child's first message (a reply is a Turn or a str, never a tuple)
+START_TIMEOUT_S = 120.0
 
 
 def _context() -> Any:
@@ -48,6 +52,7 @@ def _serve(conn: Connection, recipe: Recipe) -> None:
         episode: Any = make_task(recipe.task, **recipe.task_args).episode(recipe.problem)
     except Exception as e:  # every step of this trajectory says so; the run goes on
         episode, made = None, f"making the episode raised {type(e).__name__}: {e}"
+    conn.send(_READY)
     while True:
         try:
             action = conn.recv()
@@ -74,10 +79,18 @@ class Environment:
         self._process = ctx.Process(target=_serve, args=(child, recipe), name="zerokl-environment", daemon=True)
         self._process.start()
         child.close()
+        self._started = False
 
     def step(self, action: Any, timeout_s: float) -> Turn | str:
-        """The episode's answer to `action`, or why there is none (then the child is ended)."""
+        """The episode's answer to `action` within `timeout_s` of sending it, or why there is none (then the child is
+        ended)."""
         try:
+            if not self._started:
+                if not self._conn.poll(START_TIMEOUT_S):
+                    self.close()
+                    return f"the environment process did not start within {START_TIMEOUT_S:g} s"
+                self._conn.recv()  # _READY
+                self._started = True
             self._conn.send(action)
             if not self._conn.poll(timeout_s):
                 self.close()
