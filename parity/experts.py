@@ -50,7 +50,7 @@ class ExpertWeights:
     def _masters_fake_quantized(self, p: str, w: str, experts: range) -> torch.Tensor | None:
         """When the experts' `w` are MXFP4 masters (a trainer's): their fake-quantised values stacked [E, N, K] and
         marked, from one `mxfp4.fake_quantize` over the stack. The quantiser's groups lie within a row, so each expert
-        gets the values (and the straight-through gradient) it gets alone, at one call's host syncs and launches
+        gets the values (and the straight-through gradient) it gets alone, in one call's launches
         instead of one per expert. None otherwise (packed or unquantised weights)."""
         names = [f"{p}.experts.{e}.{w}.weight" for e in experts]
         held = [self.w.get(n) for n in names]

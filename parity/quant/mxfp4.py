@@ -110,20 +110,23 @@ def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
     return torch.copysign(E2M1_VALUES.to(v.device)[code], v)
 
 
-def check_quantisable(w: torch.Tensor, name: str = "weight") -> None:
-    """Refuse what MXFP4 cannot hold: a non-2-D tensor, K not a multiple of 32, NaN or inf, or a group so large that
-    its dequantised values would overflow (|w| above about 2.6e38)."""
+def check_quantisable(w: torch.Tensor, name: str = "weight", values: bool = True) -> None:
+    """Refuse what MXFP4 cannot hold: a non-2-D tensor, K not a multiple of 32 and (`values`: two reads back to the
+    host) NaN or inf, or a group so large that its dequantised values would overflow (|w| above about 2.6e38)."""
     if w.dim() != 2 or w.shape[1] % GROUP:
         raise QuantError(f"{name}: MXFP4 needs a 2-D weight whose input dim is a multiple of {GROUP}, got {tuple(w.shape)}")
+    if not values:
+        return
     if not bool(torch.isfinite(w).all()):
         raise QuantError(f"{name}: holds NaN or inf values; MXFP4 cannot represent them (refused before any sync)")
     if bool((scale_exponents(w) > MAX_EXPONENT).any()):
         raise QuantError(f"{name}: values above {E2M1_MAX * 2.0 ** MAX_EXPONENT:.3g} would dequantise to inf; refused")
 
 
-def quantize(w: torch.Tensor, name: str = "weight") -> MXFP4Weight:
-    """w: [N, K] fp32 or bf16 -> its MXFP4 form (the module docstring's quantiser)."""
-    check_quantisable(w, name)
+def quantize(w: torch.Tensor, name: str = "weight", check_values: bool = True) -> MXFP4Weight:
+    """w: [N, K] fp32 or bf16 -> its MXFP4 form (the module docstring's quantiser); `check_values=False` skips the
+    value checks' host reads (`check_quantisable`), for values that a checked quantisation meets later."""
+    check_quantisable(w, name, check_values)
     n, k = w.shape
     e = scale_exponents(w)
     groups = w.detach().float().reshape(n, k // GROUP, GROUP) * torch.exp2(-e.float()).unsqueeze(-1)  # exact
@@ -144,5 +147,6 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 def fake_quantize(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
     """The values the rollout engine computes with after a sync of master weight `w` (in w's dtype; the kernels
     upcast bf16 operands, so these give the packed weights' bits), differentiable (straight-through) so the
-    trainer's forward is quantisation-aware."""
-    return mark_bf16_valued(straight_through(w, lambda t: quantize(t, name).dequantize(t.dtype)))
+    trainer's forward is quantisation-aware. Nothing is read back to the host: a master MXFP4 cannot hold (NaN, inf,
+    overflow) is refused by the checked quantisation of the next weight sync, before any engine gets it."""
+    return mark_bf16_valued(straight_through(w, lambda t: quantize(t, name, check_values=False).dequantize(t.dtype)))

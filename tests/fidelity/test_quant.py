@@ -114,6 +114,19 @@ def test_fake_quantize_is_the_synced_value_with_a_straight_through_gradient() ->
     assert torch.equal(w.grad, torch.arange(64.0).expand(8, 64))
 
 
+def test_fake_quantize_reads_nothing_back_and_leaves_value_checks_to_the_sync() -> None:
+    """The trainer's fake quantisation (every forward) skips the value checks' host reads: a NaN master trains on
+    (the next sync's checked quantisation refuses it: tests/engines/test_ppo.py); a shape MXFP4 cannot hold is still
+    refused at once."""
+    w = torch.randn(4, 64)
+    w[1, 7] = float("nan")
+    mxfp4.fake_quantize(w, "experts.3.w1.weight")
+    with pytest.raises(mxfp4.QuantError, match="holds NaN or inf"):
+        mxfp4.quantize(w, "experts.3.w1.weight")
+    with pytest.raises(mxfp4.QuantError, match="multiple of 32"):
+        mxfp4.fake_quantize(torch.randn(4, 48))
+
+
 def test_fp8_matches_vllm_quant_fp8() -> None:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
