@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from trainer.megatron import cpu_compat
+from trainer.megatron import cpu_compat, device_norm
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,9 @@ def init_parallel(tp: int = 1, ep: int = 1) -> ParallelContext:
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if not cuda:
+    if cuda:
+        device_norm.apply()
+    else:
         cpu_compat.apply()
     world = dist.get_world_size()
     if world % tp or world % ep:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -85,19 +86,25 @@ def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_deca
 
 
 def train_step(trainer: Trainer, *loss_fns: Callable[[DistributedDataParallel], torch.Tensor]) -> tuple[float, float]:
-    """Zero grads; for each loss_fn in order (micro-batches) loss = loss_fn(model) and its backward, the gradients
-    adding up in the DDP buffers; Megatron's grad finalisation (DP all-reduce), optimizer step.
+    """`queue_train_step`, then its two numbers read: (the losses' sum, grad norm before clipping)."""
+    total, grad_norm = queue_train_step(trainer, *loss_fns)
+    return float(total), float(grad_norm)
 
-    Returns (the losses' sum, grad norm before clipping)."""
+
+def queue_train_step(trainer: Trainer, *loss_fns: Callable[[DistributedDataParallel], torch.Tensor]) -> tuple:
+    """Zero grads; for each loss_fn in order (micro-batches) loss = loss_fn(model) and its backward, the gradients
+    adding up in the DDP buffers; Megatron's grad finalisation (DP all-reduce), optimizer step. On CUDA nothing is
+    read back to the host (`device_norm` keeps the clip's norm on the device): returns (the losses' sum, grad norm
+    before clipping) as they are, tensors on the device there."""
     trainer.model.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    total = 0.0
+    total: Any = 0.0
     for loss_fn in loss_fns:
         loss = loss_fn(trainer.model)
         loss.backward()
-        total += float(loss.detach())
+        total = total + loss.detach().double()
     finalize_model_grads([trainer.model])
     ok, grad_norm, _ = trainer.optimizer.step()
     if not ok:
         raise RuntimeError("Megatron optimizer step reported failure")
-    return total, float(grad_norm)
+    return total, grad_norm
