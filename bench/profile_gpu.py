@@ -550,6 +550,8 @@ def main() -> int:
     p.add_argument("--top", type=int, default=15, help="kernel names per profile table")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0, help="checkpoint seed (ppo_gpu's default)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"],
+                   help="checkpoint and compute dtype (default: the config's)")
     p.add_argument("--json", help="append one JSON line per measurement here")
     args = p.parse_args()
     JSON_OUT = Path(args.json) if args.json else None
@@ -563,9 +565,9 @@ def main() -> int:
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        ckpt = init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed)
+        ckpt = init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed, dtype=args.dtype)
         cfg, official = load_checkpoint(ckpt)
-        say(f"checkpoint {args.config} in {time.perf_counter() - t0:.1f} s")
+        say(f"checkpoint {args.config} ({cfg.text.torch_dtype}) in {time.perf_counter() - t0:.1f} s")
         g = torch.Generator().manual_seed(5)  # ppo_gpu.benchmark's inputs: train ids first, then the prompts
         ids = torch.randint(4, cfg.text.vocab_size, (args.batch, args.len), generator=g, device="cpu")
         lens = torch.full((args.batch,), args.len)
