@@ -162,7 +162,10 @@ def write_tensors(tmp: Path, tensors: dict[str, torch.Tensor], shard_bytes: int,
     total = 0
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in names}, str(tmp / fname), metadata={"format": "pt"})
+        # a view (one expert's packed bytes of a batched quantisation) is written from a copy of its own: safetensors
+        # refuses tensors that share storage
+        save_file({n: tensors[n].clone() if tensors[n]._base is not None else tensors[n].contiguous() for n in names},
+                  str(tmp / fname), metadata={"format": "pt"})
         for n in names:
             weight_map[n] = fname
             total += tensors[n].numel() * tensors[n].element_size()

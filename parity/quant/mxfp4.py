@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -132,6 +133,29 @@ def quantize(w: torch.Tensor, name: str = "weight", check_values: bool = True) -
     groups = w.detach().float().reshape(n, k // GROUP, GROUP) * torch.exp2(-e.float()).unsqueeze(-1)  # exact
     values = _round_e2m1(groups).reshape(n, k)
     return MXFP4Weight(_fp4_helpers().pack_fp4_to_uint8(values), (e + 127).to(torch.uint8))
+
+
+def quantize_many(tensors: Mapping[str, torch.Tensor]) -> dict[str, MXFP4Weight]:
+    """`quantize` of every tensor, the same bytes, in a few launches: tensors of one shape, dtype and device are
+    stacked and quantised as one (a group of 32 lies within a row, so each row's bytes are its own), and the value
+    checks of all of them are one read back to the host; a failed check names the first offender in order, as
+    `quantize` one by one would."""
+    groups: dict[tuple, list[str]] = {}
+    for name, t in tensors.items():
+        check_quantisable(t, name, values=False)
+        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(name)
+    out: dict[str, MXFP4Weight] = {}
+    bad = []
+    for (shape, _, _), names in groups.items():
+        flat = torch.stack([tensors[n].detach() for n in names]).reshape(-1, shape[-1])
+        bad.append(~torch.isfinite(flat).all() | (scale_exponents(flat) > MAX_EXPONENT).any())
+        q = quantize(flat, check_values=False)
+        for n, packed, scale in zip(names, q.packed.view(len(names), shape[0], -1), q.scale.view(len(names), shape[0], -1)):
+            out[n] = MXFP4Weight(packed, scale)
+    if bad and bool(torch.stack(bad).any()):
+        for name, t in tensors.items():
+            check_quantisable(t, name)  # raises, naming the first
+    return {n: out[n] for n in tensors}
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -180,3 +180,23 @@ def test_merge_into_an_mxfp4_checkpoint_keeps_its_experts_packed(tmp_path: Path)
     assert merged_cfg.text.torch_dtype == "float32" and merged_cfg.text.expert_format == "mxfp4"
     packed = [n for n in before if n.endswith(("weight_packed", "weight_scale"))]
     assert packed and all(after[n].dtype == torch.uint8 and torch.equal(after[n], before[n]) for n in packed)
+
+
+def test_quantize_many_gives_quantize_bytes_and_names_the_first_bad_tensor() -> None:
+    """Batched quantisation (tensors of one shape stacked, one host read for the checks) gives every tensor the bytes
+    `quantize` gives it alone, in the given order; a NaN or an overflow is refused naming the first offender."""
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"e{i}": torch.randn(6, 64, generator=g) * 10.0 ** (i - 2) for i in range(5)}
+    tensors["other"] = torch.randn(3, 96, generator=g).to(torch.bfloat16)
+    many = mxfp4.quantize_many(tensors)
+    assert list(many) == list(tensors)
+    for name, t in tensors.items():
+        one = mxfp4.quantize(t, name)
+        assert torch.equal(many[name].packed, one.packed) and torch.equal(many[name].scale, one.scale), name
+    bad = dict(tensors)
+    bad["e3"] = bad["e3"].clone()
+    bad["e3"][2, 5] = float("inf")
+    bad["other"] = torch.full((3, 96), torch.finfo(torch.float32).max)
+    with pytest.raises(mxfp4.QuantError, match="^e3: holds NaN or inf"):
+        mxfp4.quantize_many(bad)
+    assert mxfp4.quantize_many({}) == {}
