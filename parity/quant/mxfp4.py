@@ -1,15 +1,18 @@
 """MXFP4 (OCP microscaling FP4) weights as K3 checkpoints store their routed experts.
 
 Format (compressed-tensors `mxfp4-pack-quantized`, as vLLM's K3 loader reads it): a weight of logical shape
-[N, K] is `weight_packed` uint8 [N, K/2] (E2M1 codes, element 2j in the low nibble, 2j+1 in the high one; packing
-and unpacking are compressed-tensors' `pack_fp4_to_uint8` / `unpack_fp4_from_uint8`) and `weight_scale` uint8
-[N, K/32] (E8M0: scale = 2^(byte - 127), one per 32 consecutive values along K).
+[N, K] is `weight_packed` uint8 [N, K/2] (E2M1 codes, element 2j in the low nibble, 2j+1 in the high one: the layout
+of compressed-tensors' `pack_fp4_to_uint8`, written here from the codes the quantiser picks, tested byte-equal to it)
+and `weight_scale` uint8 [N, K/32] (E8M0: scale = 2^(byte - 127), one per 32 consecutive values along K). The E2M1
+magnitudes are compressed-tensors' table.
 
 Quantiser (one function for the checkpoint writer, the weight sync and the trainer's fake quantisation, so all three
 give the same bytes): per group of 32, amax is rounded at E2M1 precision (its fp32 bits + 0x200000, mantissa
 dropped) and the scale exponent is floor(log2(that)) - 2, clamped to [-127, 127] (the "even" rule of vLLM's
 `_compute_quant_and_scale` and compressed-tensors' `round_to_power_2`); each value is divided by the scale (exact)
 and rounded to the nearest E2M1 value, ties to even, saturating at +-6, keeping its sign (-0 for small negatives).
+The trainer's fake quantisation takes the dequantised values of those codes without packing them, and reads nothing
+back to the host (its E2M1 table made once per device).
 
 Dequantisation is exact in bf16 and fp32 (an E2M1 value times a power of two). Quantising dequantised values gives
 the same bytes back (a quantised group's largest code is 4 or 6, so its scale is found again): a checkpoint loaded
@@ -102,13 +105,32 @@ def scale_exponents(w: torch.Tensor) -> torch.Tensor:
     return (field - 129).clamp(-127, 127)
 
 
-def _round_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 value of fp32 `v`, ties to even, saturating at +-6, sign kept (-0.0 for small negatives)."""
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """The E2M1 code (uint8: magnitude index 0..7, sign bit 3) of the nearest E2M1 value to fp32 `v`, ties to even,
+    saturating at +-6, the sign kept (-0 for small negatives)."""
     a = v.abs()
-    code = torch.zeros(v.shape, dtype=torch.long, device=v.device)
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     for bound, tie_up in _BOUNDS:
         code += (a >= bound) if tie_up else (a > bound)
-    return torch.copysign(E2M1_VALUES.to(v.device)[code], v)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def _grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] -> (E2M1 codes uint8 [N, K], scale exponents int32 [N, K/32]): the quantiser's choices."""
+    n, k = w.shape
+    e = scale_exponents(w)
+    groups = w.detach().float().reshape(n, k // GROUP, GROUP) * torch.exp2(-e.float()).unsqueeze(-1)  # exact
+    return _e2m1_codes(groups).reshape(n, k), e
+
+
+def _values(codes: torch.Tensor, e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantised values of E2M1 codes [..., N, K] (uint8, unpacked) with scale exponents e [..., N, K/32]
+    (`dequantize`'s arithmetic: exact)."""
+    lead, k = codes.shape[:-1], codes.shape[-1]
+    n = codes[..., 0].numel()
+    values = _e2m1_table(codes.device)[(codes & 0x07).long()] * (1 - 2 * (codes >> 3).float())
+    values = values.reshape(n, k // GROUP, GROUP) * torch.exp2(e.reshape(n, -1).float()).unsqueeze(-1)
+    return values.reshape(*lead, k).to(dtype)
 
 
 def check_quantisable(w: torch.Tensor, name: str = "weight", values: bool = True) -> None:
@@ -128,25 +150,29 @@ def quantize(w: torch.Tensor, name: str = "weight", check_values: bool = True) -
     """w: [N, K] fp32 or bf16 -> its MXFP4 form (the module docstring's quantiser); `check_values=False` skips the
     value checks' host reads (`check_quantisable`), for values that a checked quantisation meets later."""
     check_quantisable(w, name, check_values)
-    n, k = w.shape
-    e = scale_exponents(w)
-    groups = w.detach().float().reshape(n, k // GROUP, GROUP) * torch.exp2(-e.float()).unsqueeze(-1)  # exact
-    values = _round_e2m1(groups).reshape(n, k)
-    return MXFP4Weight(_fp4_helpers().pack_fp4_to_uint8(values), (e + 127).to(torch.uint8))
+    codes, e = _grid(w)
+    return MXFP4Weight(codes[:, 0::2] | (codes[:, 1::2] << 4), (e + 127).to(torch.uint8))  # low nibble first
+
+
+STACK_ELEMENTS = 1 << 25  # values quantised together by `quantize_many` (its transient memory: ~20 bytes a value)
 
 
 def quantize_many(tensors: Mapping[str, torch.Tensor]) -> dict[str, MXFP4Weight]:
     """`quantize` of every tensor, the same bytes, in a few launches: tensors of one shape, dtype and device are
-    stacked and quantised as one (a group of 32 lies within a row, so each row's bytes are its own), and the value
+    stacked (up to `STACK_ELEMENTS` values a stack) and quantised as one (a group of 32 lies within a row, so each row's
+    bytes are its own), and the value
     checks of all of them are one read back to the host; a failed check names the first offender in order, as
     `quantize` one by one would."""
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple, list[list[str]]] = {}
     for name, t in tensors.items():
         check_quantisable(t, name, values=False)
-        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(name)
+        chunks = groups.setdefault((tuple(t.shape), t.dtype, t.device), [[]])
+        if chunks[-1] and (len(chunks[-1]) + 1) * t.numel() > STACK_ELEMENTS:
+            chunks.append([])
+        chunks[-1].append(name)
     out: dict[str, MXFP4Weight] = {}
     bad = []
-    for (shape, _, _), names in groups.items():
+    for (shape, _, _), names in ((key, c) for key, chunks in groups.items() for c in chunks):
         flat = torch.stack([tensors[n].detach() for n in names]).reshape(-1, shape[-1])
         bad.append(~torch.isfinite(flat).all() | (scale_exponents(flat) > MAX_EXPONENT).any())
         q = quantize(flat, check_values=False)
@@ -161,11 +187,8 @@ def quantize_many(tensors: Mapping[str, torch.Tensor]) -> dict[str, MXFP4Weight]
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """packed uint8 [..., N, K/2], scale uint8 [..., N, K/32] -> [..., N, K] in `dtype` (exact)."""
     lead, k = packed.shape[:-1], 2 * packed.shape[-1]
-    n = packed[..., 0].numel()
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, k)  # low nibble first, as packed
-    values = _e2m1_table(packed.device)[(codes & 0x07).long()] * (1 - 2 * (codes >> 3).float())
-    values = values.reshape(n, k // GROUP, GROUP) * torch.exp2(scale.reshape(n, -1).float() - 127).unsqueeze(-1)
-    return values.reshape(*lead, k).to(dtype)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*lead, k)  # low nibble first, as packed
+    return _values(codes, scale.to(torch.int32) - 127, dtype)
 
 
 def fake_quantize(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
@@ -173,4 +196,5 @@ def fake_quantize(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
     upcast bf16 operands, so these give the packed weights' bits), differentiable (straight-through) so the
     trainer's forward is quantisation-aware. Nothing is read back to the host: a master MXFP4 cannot hold (NaN, inf,
     overflow) is refused by the checked quantisation of the next weight sync, before any engine gets it."""
-    return mark_bf16_valued(straight_through(w, lambda t: quantize(t, name, check_values=False).dequantize(t.dtype)))
+    check_quantisable(w, name, values=False)
+    return mark_bf16_valued(straight_through(w, lambda t: _values(*_grid(t), t.dtype)))  # no packing

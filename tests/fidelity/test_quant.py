@@ -200,3 +200,26 @@ def test_quantize_many_gives_quantize_bytes_and_names_the_first_bad_tensor() -> 
     with pytest.raises(mxfp4.QuantError, match="^e3: holds NaN or inf"):
         mxfp4.quantize_many(bad)
     assert mxfp4.quantize_many({}) == {}
+
+
+def test_packing_is_compressed_tensors_layout() -> None:
+    """The packed bytes `quantize` writes from its codes equal compressed-tensors' `pack_fp4_to_uint8` of the same
+    E2M1 values (every code, both nibbles, -0 included)."""
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(8)) * 3
+    w[0, :16] = torch.tensor([0.0, -0.0, 0.2, -0.2, 0.5, -0.5, 1.0, -1.0, 1.5, -1.5, 2.0, -2.0, 3.0, -3.0, 4.0, -6.0])
+    q = mxfp4.quantize(w)
+    values = q.dequantize(torch.float32) / torch.exp2(q.scale.float() - 127).repeat_interleave(32, dim=1)
+    assert torch.equal(q.packed, mxfp4._fp4_helpers().pack_fp4_to_uint8(values))
+
+
+def test_quantize_many_stacks_at_most_its_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors of one shape beyond the stack budget are quantised in several stacks, with the same bytes."""
+    monkeypatch.setattr(mxfp4, "STACK_ELEMENTS", 3 * 4 * 64)
+    stacked: list[int] = []
+    real = mxfp4.quantize
+    monkeypatch.setattr(mxfp4, "quantize", lambda w, *a, **k: stacked.append(w.shape[0]) or real(w, *a, **k))
+    tensors = {f"e{i}": torch.randn(4, 64, generator=torch.Generator().manual_seed(i)) for i in range(7)}
+    many = mxfp4.quantize_many(tensors)
+    assert stacked == [12, 12, 4]
+    for name, t in tensors.items():
+        assert torch.equal(many[name].packed, real(t).packed) and torch.equal(many[name].scale, real(t).scale)
