@@ -4,13 +4,13 @@ one process: GB/s of each phase and of the whole sync, and the ratio to the copy
 The Megatron trainer on `--config` (a random checkpoint) exports its weights as the engine holds them
 (`zerokl.ppo.sync.Sync.export_base`'s steps: `export_official`, then `parity.weights.serving_weights`: bf16 casts,
 the routed experts quantised to MXFP4 and packed), `WeightBundle.make` checksums every tensor on the device, and a
-`TensorStore` on the same device (the engine's side in miniature) receives it through `--transport` (`memory`: the
-tensors by reference; `cuda_ipc`: one buffer shared by its IPC handle, as `sync: cuda_ipc` runs between the trainer
-and vLLM's worker), verifies every checksum there and copies the tensors in. Each phase is timed with the device
+`TensorStore` on the same device (the engine's side in miniature) receives it in memory (the tensors by reference:
+CUDA IPC, `sync: cuda_ipc` between the trainer and vLLM's worker, cannot open a handle in the process that made it;
+the PPO run's `time_sync` measures that path), verifies every checksum there and copies the tensors in. Each phase is timed with the device
 synchronised around it, median of `--reps` after one warm-up. The ceiling: `dst.copy_(src)` of one buffer of the
 bundle's byte count (bytes read once and written once, like the sync's final copy).
 
-    python bench/sync_gpu.py --config configs/k3-1b.yaml --transport cuda_ipc --json OUT.json
+    python bench/sync_gpu.py --config configs/k3-1b.yaml --json OUT.json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity.io.checkpoint import init_checkpoint  # noqa: E402
 from parity.sync.bundle import TensorStore, WeightBundle  # noqa: E402
-from parity.sync.transports import CudaIpc, Memory  # noqa: E402
+from parity.sync.transports import Memory  # noqa: E402
 from parity.weights import serving_weights  # noqa: E402
 from trainer.megatron.backend import MegatronBackend  # noqa: E402
 
@@ -54,17 +54,14 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/k3-1b.yaml")
-    p.add_argument("--transport", choices=["memory", "cuda_ipc"], default="cuda_ipc" if CUDA else "memory")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    if args.transport == "cuda_ipc" and not CUDA:
-        p.error("--transport cuda_ipc needs a CUDA device")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = init_checkpoint(args.config, Path(tmp) / "ckpt", seed=0)
         backend = MegatronBackend(ckpt, lr=1e-5, clip_grad=1.0, weight_decay=0.0, kernels="invariant", adapter=None)
         text = backend.model_cfg.text
-        transport = CudaIpc() if args.transport == "cuda_ipc" else Memory()
+        transport = Memory()
         store: TensorStore | None = None
         rows: dict[str, list[float]] = {k: [] for k in ("export", "checksums", "transfer_verify_apply", "sync")}
         nbytes = 0
@@ -93,9 +90,9 @@ def main() -> int:
         backend.close()
     copy_s = statistics.median(copies)
     device = torch.cuda.get_device_name() if CUDA else "cpu"
-    print(f"# {args.config}, {device}, transport {args.transport}: {nbytes / 1e9:.3f} GB a sync")
+    print(f"# {args.config}, {device}: {nbytes / 1e9:.3f} GB a sync")
     print("| phase | median s | GB/s | copy / phase |\n|---|---|---|---|")
-    result = {"config": args.config, "device": device, "transport": args.transport, "bytes": nbytes,
+    result = {"config": args.config, "device": device, "bytes": nbytes,
               "copy_s": copy_s, "phases": {}}
     for k, v in [*rows.items(), ("copy_", copies)]:
         s = statistics.median(v)
