@@ -216,7 +216,6 @@ class _GroupedExperts(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         need = tuple(ctx.needs_input_grad[:5])
         grads = experts_grad(ctx.kept, g, need)
-        ctx.kept = None
         out = tuple(None if t is None else t.to(dt) for t, dt in zip(grads, ctx.dtypes))
         return (*out, None, None)
 
