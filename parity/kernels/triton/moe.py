@@ -113,6 +113,17 @@ def _tiles(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tenso
 
 
 @triton.jit
+def _tile_rows(t_exp_ptr, t_start_ptr, t_rows_ptr, BM: tl.constexpr):
+    """Grid axis 0's expert tile (`_tiles`): (its expert, its valid row count (0: a tile past the real ones, the
+    static bound's), the row mask, the rows' sorted positions)."""
+    tile = tl.program_id(0)
+    expert = tl.load(t_exp_ptr + tile).to(tl.int64)
+    nrows = tl.load(t_rows_ptr + tile)
+    r = tl.arange(0, BM)
+    return expert, nrows, r < nrows, (tl.load(t_start_ptr + tile) + r).to(tl.int64)
+
+
+@triton.jit
 def _act(a, b, ACT: tl.constexpr, C0, C1, CLIP_UP: tl.constexpr):
     """ACT 0: silu(a) * b. 1: SiTU (C0 tanh(a / C0) sigmoid(a)) * (C1 tanh(b / C1) if CLIP_UP else b)."""
     if ACT == 0:
@@ -132,15 +143,9 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, a1_ptr, a3_ptr
                     INTERP: tl.constexpr, W_MXFP4: tl.constexpr, SAVE_PRE: tl.constexpr):
     """h[p] = act(x[tok] w1_e^T, x[tok] w3_e^T) for the tile's sorted positions p (tok = order[p] // k); SAVE_PRE:
     also the two fp32 products at a1[p], a3[p] (row stride I: what the gradient's activation derivative reads)."""
-    tile = tl.program_id(0)
-    expert = tl.load(t_exp_ptr + tile).to(tl.int64)
-    start = tl.load(t_start_ptr + tile)
-    nrows = tl.load(t_rows_ptr + tile)
-    if nrows == 0:  # a tile past the real ones (`_tiles`' static bound)
+    expert, nrows, rmask, pos = _tile_rows(t_exp_ptr, t_start_ptr, t_rows_ptr, BM)
+    if nrows == 0:
         return
-    r = tl.arange(0, BM)
-    rmask = r < nrows
-    pos = (start + r).to(tl.int64)
     tok = tl.load(order_ptr + pos, mask=rmask, other=0) // TOPK
     rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
@@ -166,15 +171,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, order_ptr, t_exp_ptr, t_start_ptr
                  ss_e, ss_n, sy, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
                  INTERP: tl.constexpr, W_MXFP4: tl.constexpr):
     """y[slot] = h[p] w2_e^T (fp32) for the tile's sorted positions p, slot = order[p]."""
-    tile = tl.program_id(0)
-    expert = tl.load(t_exp_ptr + tile).to(tl.int64)
-    start = tl.load(t_start_ptr + tile)
-    nrows = tl.load(t_rows_ptr + tile)
-    if nrows == 0:  # a tile past the real ones (`_tiles`' static bound)
+    expert, nrows, rmask, pos = _tile_rows(t_exp_ptr, t_start_ptr, t_rows_ptr, BM)
+    if nrows == 0:
         return
-    r = tl.arange(0, BM)
-    rmask = r < nrows
-    pos = (start + r).to(tl.int64)
     slot = tl.load(order_ptr + pos, mask=rmask, other=0)
     rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)

@@ -28,7 +28,7 @@ import triton.language as tl
 from parity.kernels.moe import expert_counts
 from parity.kernels.primitives import needs_grad
 from parity.kernels.triton._common import INTERPRET, dot_precision, mma, sigmoid_f32, tanh_f32
-from parity.kernels.triton.moe import BLOCK_M, ExpertsPass, experts, experts_pass
+from parity.kernels.triton.moe import BLOCK_M, ExpertsPass, _tile_rows, experts, experts_pass
 from parity.quant.mxfp4 import MXFP4Weight
 
 
@@ -61,15 +61,9 @@ def _down_grad_kernel(gy_ptr, w2_ptr, a1_ptr, a3_ptr, ga1_ptr, ga3_ptr, t_exp_pt
                       BK: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
     """gh[p] = gy[p] w2_e ([L] -> [I]) for the tile's sorted positions p, then ga1, ga3 = `_act_grad` at a1[p], a3[p].
     gy, a1, a3, ga1, ga3: row-major by sorted position; w2_e: [L, I] row-major."""
-    tile = tl.program_id(0)
-    expert = tl.load(t_exp_ptr + tile).to(tl.int64)
-    start = tl.load(t_start_ptr + tile)
-    nrows = tl.load(t_rows_ptr + tile)
+    expert, nrows, rmask, pos = _tile_rows(t_exp_ptr, t_start_ptr, t_rows_ptr, BM)
     if nrows == 0:
         return
-    r = tl.arange(0, BM)
-    rmask = r < nrows
-    pos = (start + r).to(tl.int64)
     rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -94,15 +88,9 @@ def _up_grad_kernel(ga1_ptr, ga3_ptr, w1_ptr, w3_ptr, dx_ptr, order_ptr, t_exp_p
                     INTERP: tl.constexpr):
     """dx[slot] = ga1[p] w1_e + ga3[p] w3_e ([I] -> [L], fp32; slot = order[p]), the two products of each BK block of
     I added in turn. w1_e, w3_e: [I, L] row-major."""
-    tile = tl.program_id(0)
-    expert = tl.load(t_exp_ptr + tile).to(tl.int64)
-    start = tl.load(t_start_ptr + tile)
-    nrows = tl.load(t_rows_ptr + tile)
+    expert, nrows, rmask, pos = _tile_rows(t_exp_ptr, t_start_ptr, t_rows_ptr, BM)
     if nrows == 0:
         return
-    r = tl.arange(0, BM)
-    rmask = r < nrows
-    pos = (start + r).to(tl.int64)
     slot = tl.load(order_ptr + pos, mask=rmask, other=0)
     rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, BK)
