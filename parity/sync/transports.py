@@ -211,11 +211,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _pack(tensors: list[torch.Tensor], starts: list[int], nbytes: int, device: torch.device) -> torch.Tensor:
-    """One uint8 buffer of `nbytes` on `device` holding each tensor's bytes from its start."""
+    """One uint8 buffer of `nbytes` on `device` holding each tensor's bytes from its start (batched launches:
+    `torch._foreach_copy_` into the tensors' views of the buffer)."""
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for start, t in zip(starts, tensors):
-        if t.numel():
-            flat[start : start + _nbytes(t)].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    kept = [(start, t) for start, t in zip(starts, tensors) if t.numel()]
+    if kept:
+        torch._foreach_copy_([_view(flat, start, t.shape, t.dtype) for start, t in kept], [t.detach() for _, t in kept])
     return flat
 
 
