@@ -38,7 +38,6 @@ from parity.quant.ste import straight_through
 GROUP = 32
 E2M1_MAX = 6.0
 MAX_EXPONENT = 125  # 6 * 2^125 is the largest dequantised value that fp32 and bf16 hold; a larger scale overflows
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 # Rounding boundaries between consecutive E2M1 magnitudes and whether a value exactly on one rounds up (to the
 # even code): 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
 _BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
@@ -160,9 +159,8 @@ STACK_ELEMENTS = 1 << 25  # values quantised together by `quantize_many` (its tr
 def quantize_many(tensors: Mapping[str, torch.Tensor]) -> dict[str, MXFP4Weight]:
     """`quantize` of every tensor, the same bytes, in a few launches: tensors of one shape, dtype and device are
     stacked (up to `STACK_ELEMENTS` values a stack) and quantised as one (a group of 32 lies within a row, so each row's
-    bytes are its own), and the value
-    checks of all of them are one read back to the host; a failed check names the first offender in order, as
-    `quantize` one by one would."""
+    bytes are its own), and the value checks of all of them are one read back to the host; a failed check names the
+    first offender in order, as `quantize` one by one would."""
     groups: dict[tuple, list[list[str]]] = {}
     for name, t in tensors.items():
         check_quantisable(t, name, values=False)
@@ -174,8 +172,8 @@ def quantize_many(tensors: Mapping[str, torch.Tensor]) -> dict[str, MXFP4Weight]
     bad = []
     for (shape, _, _), names in ((key, c) for key, chunks in groups.items() for c in chunks):
         flat = torch.stack([tensors[n].detach() for n in names]).reshape(-1, shape[-1])
-        bad.append(~torch.isfinite(flat).all() | (scale_exponents(flat) > MAX_EXPONENT).any())
         q = quantize(flat, check_values=False)
+        bad.append(~torch.isfinite(flat).all() | (q.scale > MAX_EXPONENT + 127).any())  # the scale byte is e + 127
         for n, packed, scale in zip(names, q.packed.view(len(names), shape[0], -1), q.scale.view(len(names), shape[0], -1)):
             out[n] = MXFP4Weight(packed, scale)
     if bad and bool(torch.stack(bad).any()):

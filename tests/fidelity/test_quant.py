@@ -199,6 +199,8 @@ def test_quantize_many_gives_quantize_bytes_and_names_the_first_bad_tensor() -> 
     bad["other"] = torch.full((3, 96), torch.finfo(torch.float32).max)
     with pytest.raises(mxfp4.QuantError, match="^e3: holds NaN or inf"):
         mxfp4.quantize_many(bad)
+    with pytest.raises(mxfp4.QuantError, match="^other: values above .* would dequantise to inf"):
+        mxfp4.quantize_many({**tensors, "other": bad["other"]})
     assert mxfp4.quantize_many({}) == {}
 
 
