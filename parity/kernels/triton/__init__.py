@@ -21,8 +21,9 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 Gradients: linear's and the grouped experts' in Triton (`linear_grad.py`: dX and dW as GEMMs of the same machinery;
 `moe_grad.py`: grouped GEMMs over the forward's saved products, the routing on the device; both deterministic and
 reading what the forward saved). Every other op (`autograd.py`) runs its Triton forward and takes its backward
-from the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from its chunked
-form (`parity.kernels.kda.kda_for_gradients`).
+from the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from fla's
+chunked kernels for bf16, each pinned to one launch configuration (`parity.kernels.fla_pinned`), and from its chunked
+form in torch for fp32 (`parity.kernels.kda.kda_for_gradients`).
 
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
@@ -42,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from parity.kernels.kda import kda_for_gradients
+from parity.kernels.kda import kda_for_gradients, kda_gradient_context
 from parity.kernels.moe import experts_stacked
 from parity.kernels.registry import INVARIANT, Kernels
 from parity.kernels.triton import attention, attn_res, conv, dsa, kda, moe, rowwise
@@ -72,7 +73,9 @@ _TRITON_OPS = dict(
     route=moe.route,
 )
 _GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients)  # where each Triton op's gradient comes from
-TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f)) for f, op in _TRITON_OPS.items()},
+_AROUND = {"kda": kda_gradient_context}  # the context an op's backward runs in, where it needs one
+TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f), _AROUND.get(f))
+                                   for f, op in _TRITON_OPS.items()},
                  linear=linear_trainable, token_logprobs=INVARIANT.token_logprobs, experts=experts_trainable)
 
 
