@@ -19,21 +19,17 @@ import sys
 import threading
 from collections.abc import Iterator
 
-FLA_VERSION = "0.6.0"
+from parity.patching import require
+
+WRITTEN_FOR = ("0.6.0",)
 _LOCK = threading.RLock()
 
 
-class FlaVersionError(RuntimeError):
-    pass
-
-
 def check_version() -> None:
-    """Raise `FlaVersionError` unless the installed fla is the one this patch was written for."""
+    """`parity.patching.UnsupportedVersion` unless the installed fla is one this patch was written for."""
     import fla
 
-    if fla.__version__ != FLA_VERSION:
-        raise FlaVersionError(f"fla {fla.__version__} is not supported by parity.kernels.fla_pinned "
-                              f"(written for fla-core {FLA_VERSION}); install fla-core=={FLA_VERSION}")
+    require("fla-core", fla.__version__, WRITTEN_FOR, "zerokl's pinning of fla's autotuned kernels")
 
 
 def autotuners() -> list:

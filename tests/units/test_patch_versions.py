@@ -63,6 +63,15 @@ def test_megatron_cpu_patches_refuse_another_release(monkeypatch: pytest.MonkeyP
         cpu_compat.apply()
 
 
+def test_fla_pinning_refuses_another_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    from parity.kernels import fla_pinned
+
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.7.0"))
+    with pytest.raises(UnsupportedVersion, match=r"^fla-core 0\.7\.0 is not supported by zerokl's pinning of fla's "
+                                                 r"autotuned kernels \(written for 0\.6\.0\)"):
+        fla_pinned.check_version()
+
+
 def test_compressed_tensors_file_refuses_another_release(monkeypatch: pytest.MonkeyPatch) -> None:
     from parity.quant import mxfp4
 

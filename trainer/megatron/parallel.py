@@ -12,6 +12,7 @@ TP-split (`expert_tensor_parallel_size = 1`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from parity.kernels import fla_pinned
 from trainer.megatron import cpu_compat, device_norm
 
 
@@ -62,6 +64,8 @@ def init_parallel(tp: int = 1, ep: int = 1) -> ParallelContext:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if cuda:
         device_norm.apply()
+        if importlib.util.find_spec("fla") is not None:
+            fla_pinned.check_version()  # KDA's bf16 gradient runs fla's kernels pinned (at start, not mid-step)
     else:
         cpu_compat.apply()
     world = dist.get_world_size()
