@@ -1,5 +1,5 @@
-"""Data parallelism that adds throughput: `zerokl ppo --backend deepspeed --nproc-per-node 2` with
-`data_parallel: shard` (k3-tiny-mxfp4, ZeRO-3): each rank trains on its own half of every step's samples (the
+"""Data parallelism that adds throughput: `zerokl ppo --backend B --nproc-per-node 2` with `data_parallel: shard`
+(k3-tiny-mxfp4; Megatron's DDP, and DeepSpeed's ZeRO-3): each rank trains on its own half of every step's samples (the
 metrics show both halves: their sample and token counts and their mean rewards, which differ), every sampled log-prob,
 raw log-prob and expert choice of both halves is checked bit for bit, and the run is deterministic: resumed from its
 step-1 checkpoint on two fresh processes, step 1's metrics and the final weights are bitwise the uninterrupted run's.
@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 
-def _ppo(*argv: str) -> None:
-    res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", *argv, "--backend", "deepspeed",
+def _ppo(backend: str, *argv: str) -> None:
+    res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", *argv, "--backend", backend,
                           "--nproc-per-node", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
@@ -34,11 +34,13 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3_tiny_mxfp4: Path,
+                                                                 tmp_path: Path) -> None:
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
     config.write_text(config.read_text() + "data_parallel: shard\n")
     run, resumed = tmp_path / "run", tmp_path / "resumed"
-    _ppo("--config", str(config), "--out", str(run))
+    _ppo(backend, "--config", str(config), "--out", str(run))
     metrics = _metrics(run)
     samples = [m["dp_rank0_samples"] + m["dp_rank1_samples"] for m in metrics]
     assert samples == [32] * STEPS and all(m["dp_size"] == 2 and m["dp_rank0_samples"] == 16 for m in metrics)
@@ -47,7 +49,7 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(k3_tiny_mxfp4: P
             and m["routing_agreement"] == 1.0 and m["parity_checked_frac"] == 1.0, m
         assert m["dp_rank0_reward_mean"] + m["dp_rank1_reward_mean"] == pytest.approx(2 * m["reward_mean"])
     assert any(m["dp_rank0_reward_mean"] != m["dp_rank1_reward_mean"] for m in metrics)  # two different shards
-    _ppo("--config", str(config), "--out", str(resumed), "--resume", str(run / "checkpoints" / "step-1"))
+    _ppo(backend, "--config", str(config), "--out", str(resumed), "--resume", str(run / "checkpoints" / "step-1"))
     again = _metrics(resumed)
     assert [m["step"] for m in again] == [1]
     assert {k: v for k, v in again[0].items() if k not in TIMING_KEYS} == \

@@ -99,9 +99,8 @@ def test_two_rank_zero3_ppo_equals_megatron(runs: dict[str, tuple[list[dict], Pa
 
 def test_user_mistakes_exit_2_before_starting(config: Path, runs: dict[str, tuple[list[dict], Path]],
                                              tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--nproc-per-node > 1 on Megatron; a DeepSpeed checkpoint resumed by another backend or process count."""
-    cases = [(["--nproc-per-node", "2"], "megatron backend runs in one process"),
-             (["--resume", str(runs["deepspeed"][1] / "checkpoints" / "step-2")], "resume with the same backend"),
+    """A DeepSpeed checkpoint resumed by another backend or process count."""
+    cases = [(["--resume", str(runs["deepspeed"][1] / "checkpoints" / "step-2")], "resume with the same backend"),
              (["--backend", "deepspeed", "--resume", str(runs["deepspeed"][1] / "checkpoints" / "step-2")],
               "2 processes")]
     for args, message in cases:

@@ -96,7 +96,7 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"num_rollout_servers": "-1"}, "num_rollout_servers must be >= 0"),
     ({"sync": "torch_distributed"}, "sync torch_distributed reaches rollout servers"),
     ({"sync": "cuda_ipc", "num_rollout_servers": "1"}, "sync cuda_ipc reaches the in-process engine"),
-    ({"data_parallel": "shard"}, "data_parallel is only read with backend: deepspeed"),
+    ({"data_parallel": "shard"}, "data_parallel: shard needs several processes"),
     ({"backend": "deepspeed", "data_parallel": "both"}, "data_parallel must be one of replicate, shard"),
     ({"backend": "deepspeed", "data_parallel": "shard"}, "data_parallel: shard needs several processes"),
     ({"top_p": "1.5"}, "top_p must be in (0, 1], got 1.5"),
@@ -121,6 +121,14 @@ def test_ppo_config_values_are_checked(keys: dict[str, str], says: str, k3_tiny:
                                        capsys: pytest.CaptureFixture[str]) -> None:
     config = _ppo_config(tmp_path, k3_tiny, **keys)
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out")], capsys, str(config), says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ppo_on_several_processes_with_staleness_is_refused(k3_tiny: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    config = _ppo_config(tmp_path, k3_tiny, max_staleness=1)
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), "--nproc-per-node", "2"], capsys,
+                "--nproc-per-node 2 with max_staleness > 0 is not supported")
     assert not (tmp_path / "out").exists()
 
 

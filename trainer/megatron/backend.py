@@ -1,16 +1,16 @@
 """`MegatronBackend`: the Megatron-core trainer (`trainer.megatron.train`) behind `TrainerBackend`: Megatron DDP +
-Megatron Adam, one process, TP = EP = 1."""
+Megatron Adam, TP = EP = 1, data parallel over the processes of the run (`WORLD_SIZE`, one when alone): every rank
+holds the whole model and Adam state, Megatron's DDP all-reduces the gradients (averaged over the ranks) before each
+optimizer step, so every rank steps to the same bits."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from lora.adapter import Adapter, load_adapter
 from lora.spec import AdapterError
-from parity.config import ConfigError
 from trainer.base import ADAPTER_DIR, WEIGHTS_FILE, LossFn, TrainerBackend
 from trainer.megatron.io import export_adapter, export_official, load_official, save_adapter
 from trainer.megatron.parallel import destroy_parallel, init_parallel
@@ -21,17 +21,15 @@ VALUE_HEAD_FILE = "value_head.pt"  # in a saved state with a value head: its [1,
 
 
 class MegatronBackend(TrainerBackend):
-    """`trainer.megatron.train.build_trainer` at TP = EP = 1 in this process, with a value head (GAE's critic) when
-    `value_head_lr` is given: trained in the same optimizer step at its own learning rate, saved and restored with
-    the state, never exported."""
+    """`trainer.megatron.train.build_trainer` at TP = EP = 1 on every rank of the run (DP = the world size), with a
+    value head (GAE's critic) when `value_head_lr` is given: trained in the same optimizer step at its own learning
+    rate, saved and restored with the state, never exported. What a save writes, rank 0 writes (the ranks hold the
+    same state)."""
 
     name = "megatron"
 
     def __init__(self, checkpoint: Path, lr: float, clip_grad: float, weight_decay: float, kernels: str,
                  adapter: Adapter | None, value_head_lr: float | None = None, train_vision: bool = False):
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("the megatron backend runs in one process (TP = EP = 1); "
-                              "train on several processes with the deepspeed backend")
         self.par = init_parallel(1, 1)
         self.trainer = build_trainer(checkpoint, self.par, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
                                      kernels=kernels, adapter=adapter, value_head_lr=value_head_lr,
@@ -49,19 +47,22 @@ class MegatronBackend(TrainerBackend):
         return export_adapter(self.trainer.module)
 
     def _save_adapter(self, out: Path) -> None:
-        save_adapter(self.trainer.module, out)
+        if self.rank == 0:
+            save_adapter(self.trainer.module, out)
 
     def save_state(self, path: str | Path) -> Path:
         """`TrainerBackend.save_state` plus, with a value head, its weight (VALUE_HEAD_FILE; its Adam moments are in
         the optimizer state)."""
         path = super().save_state(path)
         head = self.trainer.module.value_head
-        if head is not None:
+        if head is not None and self.rank == 0:
             torch.save(head.weight.detach().clone(), path / VALUE_HEAD_FILE)
         return path
 
     def _save_optimizer(self, path: Path) -> None:
-        torch.save(self.trainer.optimizer.state_dict(), path / OPTIMIZER_FILE)
+        state = self.trainer.optimizer.state_dict()
+        if self.rank == 0:
+            torch.save(state, path / OPTIMIZER_FILE)
 
     def load_state(self, path: str | Path) -> None:
         path = Path(path)

@@ -8,8 +8,10 @@ and `OUT/diagnosis.txt` when parity breaks. Exit code: 0 when every step had KL 
 broke parity (after the diagnosis), 2 for user errors (among them a reward function that raises or returns
 something other than a finite number mid-run: the error names the dataset line and the step).
 
-`--nproc-per-node N` (N > 1, DeepSpeed only) starts N processes of this command (`zerokl.launch`; the run's
-starting checkpoint is created first); under any torchrun-style launcher the command runs as one rank of it. Rank 0
+`--nproc-per-node N` (N > 1) starts N processes of this command (`zerokl.launch`; the run's starting checkpoint is
+created first); under any torchrun-style launcher the command runs as one rank of it. On the megatron backend the
+ranks are data parallel (TP = EP = 1, gradients all-reduced); on DeepSpeed, ZeRO partitions over them. Every rank
+trains on the whole batch, or on its own part with `data_parallel: shard`. Rank 0
 owns the rollout engine and writes the metrics, wandb and console output; checkpoints are written collectively.
 
 `--rollout-servers URL,...` rolls out on running `zerokl serve` servers and syncs weights into them
@@ -190,7 +192,7 @@ def train(cfg: PPOConfig, out: Path, resume: str | None) -> int:
 
 
 def _launch(cfg: PPOConfig, out: Path, nproc: int) -> int:
-    """This command on `nproc` processes (DeepSpeed), after creating the run's starting checkpoint once."""
+    """This command on `nproc` processes, after creating the run's starting checkpoint once."""
     from zerokl.launch import launch
     from zerokl.ppo.setup import base_checkpoint
 
@@ -211,9 +213,9 @@ def _config_key(path: str, key: str) -> object:
 
 
 def _check_nproc(cfg: PPOConfig, nproc: int) -> None:
-    if nproc > 1 and cfg.backend != "deepspeed":
-        raise ConfigError(f"--nproc-per-node {nproc}: the {cfg.backend} backend runs in one process; "
-                          "use --backend deepspeed for several")
+    if nproc > 1 and cfg.max_staleness:
+        raise ConfigError(f"--nproc-per-node {nproc} with max_staleness > 0 is not supported (rank 0 alone keeps the "
+                          "earlier versions the check runs on); set max_staleness: 0 or run one process")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -233,9 +235,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("megatron", "deepspeed"), help="trainer backend (default: the config's, "
                    "megatron)")
     p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")
-    p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (DeepSpeed: ZeRO partitions "
-                   "over them; every rank trains on the whole batch, or on its own part with data_parallel: shard); N > 1 starts "
-                   "N copies of this command")
+    p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (megatron: data parallel; "
+                   "DeepSpeed: ZeRO partitions over them; every rank trains on the whole batch, or on its own part with "
+                   "data_parallel: shard); N > 1 starts N copies of this command")
     p.add_argument("--rollout-servers", type=_urls, metavar="URL[,URL...]", help="roll out on these running `zerokl "
                    "serve` servers (same checkpoint) over HTTP and sync weights into them (config key "
                    "rollout_servers)")

@@ -78,9 +78,9 @@ class PPOConfig:
     num_rollout_servers: int = 0  # > 0: `zerokl ppo` starts this many servers on this machine (and stops them)
     checkpoint_every: int = 25
     wandb: str = "offline"
-    backend: str = "megatron"  # trainer backend (trainer.backend): megatron (one process) or deepspeed
+    backend: str = "megatron"  # trainer backend (trainer.backend): megatron (data parallel) or deepspeed (ZeRO)
     zero_stage: int | None = None  # backend: deepspeed only; its ZeRO stage, 2 or 3 (DEFAULT_ZERO_STAGE)
-    data_parallel: str = "replicate"  # deepspeed on N processes: replicate (each rank the whole batch) or shard
+    data_parallel: str = "replicate"  # on N processes: replicate (each rank the whole batch) or shard
     lora: bool = False  # train only a LoRA adapter (base frozen) and sync only the adapter
     lora_rank: int | None = None  # lora only (LORA_DEFAULTS)
     lora_alpha: float | None = None  # lora only (LORA_DEFAULTS)
@@ -163,9 +163,6 @@ class PPOConfig:
         elif self.zero_stage is not None:
             raise ConfigError(f"ppo config: zero_stage is only read with backend: deepspeed, not {self.backend!r}; "
                               "drop zero_stage or set backend: deepspeed")
-        if self.backend != "deepspeed" and self.data_parallel != "replicate":
-            raise ConfigError(f"ppo config: data_parallel is only read with backend: deepspeed (the {self.backend} "
-                              "backend trains in one process); drop data_parallel or set backend: deepspeed")
         self._check_lora_keys()
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "max_turns", "checkpoint_every",
                      "ppo_epochs", "num_minibatches", "parity_check_every"):

@@ -12,8 +12,9 @@ version (`check.kept_logprobs`), and every update is then off-policy.
 
 `micro_batch_size` splits each minibatch into forward/backward passes of that many samples whose gradients add up
 (each pass's loss weighted by its share of the minibatch's tokens) before the one optimizer step. With
-`data_parallel: shard` each of the R ranks runs its own block of every minibatch, its loss scaled by R (DeepSpeed
-averages the ranks' gradients), and the check gathers the first update's rows from every rank.
+`data_parallel: shard` each of the R ranks runs its own block of every minibatch, its loss scaled by R (the trainer
+averages the ranks' gradients: DeepSpeed, and Megatron's DDP), and the check gathers the first update's rows from
+every rank.
 
 The loss: the clipped surrogate (`zerokl.ppo.algo.ppo_loss`, with a KL penalty to the reference's log-probs and an
 entropy bonus when configured) on the kind of log-prob `logprobs_mode` names, plus `vf_coef` x the clipped value loss
@@ -162,7 +163,7 @@ class Update:
                 stats["value_loss"] = float(vf_loss.detach())
             stats["ppo_kl"] = float(((old - lp.detach()) * m).sum() / m.sum().clamp(min=1))
             self.per_update.append((float(share), stats))
-            if self.ranks > 1:  # DeepSpeed averages the ranks' gradients: each rank's share of the sum, times ranks
+            if self.ranks > 1:  # the trainer averages the ranks' gradients: each rank's share of the sum, times ranks
                 return loss * (share * self.ranks)
             return loss if len(rows) == len(minibatch) else loss * share
 
