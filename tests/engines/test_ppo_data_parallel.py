@@ -1,7 +1,8 @@
 """Data parallelism that adds throughput: `zerokl ppo --backend B --nproc-per-node 2` with `data_parallel: shard`
 (k3-tiny-mxfp4; Megatron's DDP, and DeepSpeed's ZeRO-3): each rank trains on its own half of every step's samples (the
 metrics show both halves: their sample and token counts and their mean rewards, which differ), every sampled log-prob,
-raw log-prob and expert choice of both halves is checked bit for bit, and the run is deterministic: resumed from its
+raw log-prob and expert choice of both halves is checked bit for bit (on Megatron with its distributed optimizer:
+each rank keeps the Adam state of half of the parameters), and the run is deterministic: resumed from its
 step-1 checkpoint on two fresh processes, step 1's metrics and the final weights are bitwise the uninterrupted run's.
 """
 
@@ -57,3 +58,8 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
     want = torch.load(run / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     got = torch.load(resumed / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+    if backend == "megatron":  # ZeRO-1: each rank saved (and held) the Adam moments of half of the parameters
+        shards = [torch.load(run / "checkpoints" / "step-1" / f"optimizer-rank{r}.pt") for r in (0, 1)]
+        held = [sum(s["exp_avg"].numel() for part in shard for s in part["state"].values()) for shard in shards]
+        weights = sum(t.numel() for t in want.values())  # the frozen ones (DSA indexer, vision tower) hold no moments
+        assert 0 < sum(held) <= weights and abs(held[0] - held[1]) <= 1e-3 * sum(held), (held, weights)

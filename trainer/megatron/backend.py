@@ -1,7 +1,8 @@
 """`MegatronBackend`: the Megatron-core trainer (`trainer.megatron.train`) behind `TrainerBackend`: Megatron DDP +
-Megatron Adam, TP = EP = 1, data parallel over the processes of the run (`WORLD_SIZE`, one when alone): every rank
-holds the whole model and Adam state, Megatron's DDP all-reduces the gradients (averaged over the ranks) before each
-optimizer step, so every rank steps to the same bits."""
+Megatron Adam, TP = EP = 1, data parallel over the processes of the run (`WORLD_SIZE`, one when alone). On several
+ranks the optimizer is Megatron's distributed one (ZeRO-1): the gradients are reduce-scattered (averaged over the
+ranks), each rank steps its 1/DP share of the fp32 parameters with its share of the Adam state, and the parameters
+are all-gathered, so every rank holds the same weights."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from trainer.megatron.parallel import destroy_parallel, init_parallel
 from trainer.megatron.train import build_trainer, train_step
 
 OPTIMIZER_FILE = "optimizer.pt"  # in a saved state: Megatron's optimizer state dict
+SHARD_FILE = "optimizer-rank{rank}.pt"  # with the distributed optimizer: rank r's share of the Adam state
 VALUE_HEAD_FILE = "value_head.pt"  # in a saved state with a value head: its [1, hidden + 1] fp32 weight
 
 
 class MegatronBackend(TrainerBackend):
     """`trainer.megatron.train.build_trainer` at TP = EP = 1 on every rank of the run (DP = the world size), with a
     value head (GAE's critic) when `value_head_lr` is given: trained in the same optimizer step at its own learning
-    rate, saved and restored with the state, never exported. What a save writes, rank 0 writes (the ranks hold the
-    same state)."""
+    rate, saved and restored with the state, never exported. Rank 0 writes the weights; with the distributed
+    optimizer every rank writes its own share of the Adam state (SHARD_FILE), so a saved state resumes on the same
+    number of ranks."""
 
     name = "megatron"
 
@@ -60,14 +63,26 @@ class MegatronBackend(TrainerBackend):
         return path
 
     def _save_optimizer(self, path: Path) -> None:
-        state = self.trainer.optimizer.state_dict()
-        if self.rank == 0:
-            torch.save(state, path / OPTIMIZER_FILE)
+        if self.par.dp > 1:
+            torch.save([part.optimizer.state_dict() for part in self._optimizers()],
+                       path / SHARD_FILE.format(rank=self.rank))
+        elif self.rank == 0:
+            torch.save(self.trainer.optimizer.state_dict(), path / OPTIMIZER_FILE)
+
+    def _optimizers(self) -> list:
+        """Megatron's optimizers of this trainer (a `ChainedOptimizer` holds one per parameter-group kind)."""
+        optimizer = self.trainer.optimizer
+        return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
     def load_state(self, path: str | Path) -> None:
         path = Path(path)
-        if not (path / OPTIMIZER_FILE).is_file():
+        shards = sorted(path.glob(SHARD_FILE.format(rank="*")))
+        if not shards and not (path / OPTIMIZER_FILE).is_file():
             raise FileNotFoundError(f"{path} holds no Megatron trainer state (no {OPTIMIZER_FILE})")
+        if len(shards) != (self.par.dp if self.par.dp > 1 else 0):
+            saved = f"{len(shards)} data-parallel ranks" if shards else "one process"
+            raise FileNotFoundError(f"{path} holds the Megatron optimizer state of {saved}; resume it on as many "
+                                    f"(this run has {self.par.dp})")
         if self.has_adapter:
             self._load_adapter(load_adapter(path / ADAPTER_DIR, self.model_cfg.text))
         else:
@@ -78,7 +93,12 @@ class MegatronBackend(TrainerBackend):
                 raise FileNotFoundError(f"{path} holds no value head ({VALUE_HEAD_FILE}): not a state saved with one")
             with torch.no_grad():
                 head.weight.copy_(torch.load(path / VALUE_HEAD_FILE, weights_only=True))
-        self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
+        if shards:
+            mine = torch.load(path / SHARD_FILE.format(rank=self.rank), weights_only=True)
+            for part, state in zip(self._optimizers(), mine, strict=True):
+                part.optimizer.load_state_dict(state)
+        else:
+            self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
 
     def _load_adapter(self, adapter: Adapter) -> None:
         """Copy `adapter`'s tensors into the attached LoRA modules (whole tensors: TP = 1)."""

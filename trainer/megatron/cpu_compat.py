@@ -22,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron.core.distributed import param_and_grad_buffer
+from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.tensor_parallel import mappings
 
@@ -81,6 +82,11 @@ PATCHES: tuple[Patch, ...] = (
     # FP32Optimizer: `self._scale = torch.tensor([1.0], device='cuda')`.
     Patch(megatron_optimizer.FP32Optimizer, "__init__",
           "megatron/core/optimizer/optimizer.py:907 (_scale on device='cuda')"),
+    # The distributed optimizer (ZeRO-1, several data-parallel ranks): its parameters' CUDA type names checked, then
+    # MixedPrecisionOptimizer's buffers on device='cuda'.
+    Patch(distrib_optimizer.DistributedOptimizer, "__init__",
+          "megatron/core/optimizer/distrib_optimizer.py:361,420,431 (param.type() checks); "
+          "optimizer.py:473,481,485 (found_inf / _dummy_overflow_buf / _scale_one on device='cuda')"),
     # Grad norm: `dummy_overflow_buf = torch.zeros(1, device='cuda')` (imported by name into optimizer.py).
     Patch(megatron_optimizer, "get_grad_norm_fp32",
           "megatron/core/optimizer/clip_grads.py:103,115 (dummy_overflow_buf / grad_norm on device='cuda')"),

@@ -60,23 +60,28 @@ def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_
     """Load `checkpoint` (and `adapter`: LoRA training, base frozen), add a value head when `value_head_lr` is given
     (`MegatronK3Model.add_value_head`: trained with the model, in its own parameter group at that learning rate),
     train the vision tower with the text model when `train_vision`, wrap the model in Megatron's DDP (fp32 grads) and
-    build Megatron's Adam over the trainable parameters."""
+    build Megatron's Adam over the trainable parameters: with several data-parallel ranks its distributed optimizer
+    (`wrap`'s `shard_optimizer`)."""
     model_cfg, weights = load_checkpoint(checkpoint)
     masters = master_weights(model_cfg.text, weights)  # MXFP4 experts dequantised to fp32 masters (exact)
     side = ImageProcessing.from_checkpoint(checkpoint).side_limit if train_vision else None
     module = build_model(model_cfg, masters, par, kernels, adapter=adapter, vision_grid_side=side)
     if value_head_lr is not None:
         module.add_value_head()
-    return wrap(module, lr, clip_grad, weight_decay, value_head_lr)
+    return wrap(module, lr, clip_grad, weight_decay, value_head_lr, shard_optimizer=par.dp > 1)
 
 
 def wrap(module: MegatronK3Model, lr: float, clip_grad: float = 1.0, weight_decay: float = 0.0,
-         value_head_lr: float | None = None) -> Trainer:
-    """Megatron DDP around `module` and `get_megatron_optimizer` (Adam, fp32, no distributed optimizer); a value head
-    gets its own parameter group at `value_head_lr` (the rest keeps Megatron's standard groups)."""
-    ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+         value_head_lr: float | None = None, shard_optimizer: bool = False) -> Trainer:
+    """Megatron DDP around `module` and `get_megatron_optimizer` (Adam, fp32); a value head gets its own parameter
+    group at `value_head_lr` (the rest keeps Megatron's standard groups). `shard_optimizer`: Megatron's distributed
+    optimizer (ZeRO-1 over the data-parallel ranks: the gradients reduce-scattered, each rank keeps and steps the Adam
+    state of its 1/DP of every bucket, the updated parameters all-gathered); otherwise every rank keeps all of it (the
+    gradients all-reduced: what the layout benchmarks read back)."""
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=shard_optimizer)
+    ddp = DistributedDataParallel(module.config, ddp_cfg, module)
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                              params_dtype=module.config.params_dtype)
+                              params_dtype=module.config.params_dtype, use_distributed_optimizer=shard_optimizer)
     overrides = None
     if module.value_head is not None:
         overrides = {**get_standard_config_overrides(opt_cfg),
