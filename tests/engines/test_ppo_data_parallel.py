@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from helpers import PPO_REFERENCE_CONFIG, ppo_config_file
+from zerokl.cli import main
 from zerokl.ppo.metrics import TIMING_KEYS
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # two-rank runs, an engine each: scheduled first (conftest.py)
@@ -36,8 +37,8 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
-def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3_tiny_mxfp4: Path,
-                                                                 tmp_path: Path) -> None:
+def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3_tiny_mxfp4: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
     config.write_text(config.read_text() + "data_parallel: shard\n")
     run, resumed = tmp_path / "run", tmp_path / "resumed"
@@ -58,6 +59,14 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
     want = torch.load(run / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     got = torch.load(resumed / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+    one = tmp_path / "one-process.yaml"  # resumed on one process: refused before anything starts
+    one.write_text(config.read_text().replace("data_parallel: shard\n", ""))
+    capsys.readouterr()
+    assert main(["ppo", "--config", str(one), "--out", str(tmp_path / "bad"), "--backend", backend,
+                 "--resume", str(run / "checkpoints" / "step-1")]) == 2
+    err = capsys.readouterr().err
+    assert "on 2 processes" in err and "Traceback" not in err, err[-2000:]
+    assert not (tmp_path / "bad").exists()
     if backend == "megatron":  # ZeRO-1: each rank saved (and held) the Adam moments of half of the parameters
         shards = [torch.load(run / "checkpoints" / "step-1" / f"optimizer-rank{r}.pt") for r in (0, 1)]
         held = [sum(s["exp_avg"].numel() for part in shard for s in part["state"].values()) for shard in shards]
