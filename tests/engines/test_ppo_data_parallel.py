@@ -72,3 +72,24 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
         held = [sum(s["exp_avg"].numel() for part in shard for s in part["state"].values()) for shard in shards]
         weights = sum(t.numel() for t in want.values())  # the frozen ones (DSA indexer, vision tower) hold no moments
         assert 0 < sum(held) <= weights and abs(held[0] - held[1]) <= 1e-3 * sum(held), (held, weights)
+
+
+def test_lora_on_two_megatron_ranks_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
+    """`--lora` on two data-parallel Megatron ranks (`data_parallel: replicate`: both train on the whole batch; the
+    distributed optimizer shards the adapter's Adam state): KL 0 every step, and the run resumed from its step-1
+    checkpoint ends with the uninterrupted run's adapter bit for bit (the adapter's save is collective: every rank
+    takes part, rank 0 writes)."""
+    from safetensors.torch import load_file
+
+    config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    _ppo("megatron", "--config", str(config), "--out", str(run), "--lora")
+    assert all(m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 for m in _metrics(run))
+    _ppo("megatron", "--config", str(config), "--out", str(resumed), "--lora", "--resume",
+         str(run / "checkpoints" / "step-1"))
+    assert {k: v for k, v in _metrics(resumed)[0].items() if k not in TIMING_KEYS} == \
+        {k: v for k, v in _metrics(run)[1].items() if k not in TIMING_KEYS}
+    want, got = ([load_file(p) for p in sorted((d / "checkpoints" / f"step-{STEPS}" / "adapter").glob("*.safetensors"))]
+                 for d in (run, resumed))
+    assert want and len(want) == len(got)
+    assert all(a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(want, got))

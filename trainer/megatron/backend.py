@@ -50,8 +50,7 @@ class MegatronBackend(TrainerBackend):
         return export_adapter(self.trainer.module)
 
     def _save_adapter(self, out: Path) -> None:
-        if self.rank == 0:
-            save_adapter(self.trainer.module, out)
+        save_adapter(self.trainer.module, out)  # collective; rank 0 writes
 
     def save_state(self, path: str | Path) -> Path:
         """`TrainerBackend.save_state` plus, with a value head, its weight (VALUE_HEAD_FILE; its Adam moments are in
