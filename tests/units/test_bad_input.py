@@ -128,7 +128,7 @@ def test_ppo_on_several_processes_with_staleness_is_refused(k3_tiny: Path, tmp_p
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     config = _ppo_config(tmp_path, k3_tiny, max_staleness=1)
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), "--nproc-per-node", "2"], capsys,
-                "--nproc-per-node 2 with max_staleness > 0 is not supported")
+                str(config), "2 processes with max_staleness > 0 is not supported")
     assert not (tmp_path / "out").exists()
 
 

@@ -10,8 +10,8 @@ something other than a finite number mid-run: the error names the dataset line a
 
 `--nproc-per-node N` (N > 1) starts N processes of this command (`zerokl.launch`; the run's starting checkpoint is
 created first); under any torchrun-style launcher the command runs as one rank of it. On the megatron backend the
-ranks are data parallel (TP = EP = 1, gradients all-reduced); on DeepSpeed, ZeRO partitions over them. Every rank
-trains on the whole batch, or on its own part with `data_parallel: shard`. Rank 0
+ranks are data parallel (TP = EP = 1, the gradients averaged, Megatron's distributed optimizer); on DeepSpeed, ZeRO
+partitions over them. Every rank trains on the whole batch, or on its own part with `data_parallel: shard`. Rank 0
 owns the rollout engine and writes the metrics, wandb and console output; checkpoints are written collectively.
 
 `--rollout-servers URL,...` rolls out on running `zerokl serve` servers and syncs weights into them
@@ -96,12 +96,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         check_sharding(cfg, int(os.environ.get("WORLD_SIZE", args.nproc_per_node)))
+        _check_nproc(cfg, int(os.environ.get("WORLD_SIZE", args.nproc_per_node)))
     except ConfigError as e:
         raise ConfigError(f"{args.config}: {str(e).removeprefix('ppo config: ')}") from None
     if args.ray is not None:
         from zerokl.ppo.on_ray import run_on_ray
 
-        _check_nproc(cfg, args.nproc_per_node)
         return run_on_ray(cfg, out.resolve(), args.resume, args.ray, args.nproc_per_node, train)
     if cfg.num_rollout_servers:
         return _with_servers(cfg, out, args)
@@ -117,7 +117,6 @@ def _with_servers(cfg: PPOConfig, out: Path, args: argparse.Namespace) -> int:
     from zerokl.ppo.setup import base_checkpoint, server_lora
     from zerokl.ppo.rollouts import engine_args_for
 
-    _check_nproc(cfg, args.nproc_per_node)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     checkpoint = base_checkpoint(cfg, out)
     lora = server_lora(cfg, checkpoint, args.resume, out / "served-adapters")
@@ -196,7 +195,6 @@ def _launch(cfg: PPOConfig, out: Path, nproc: int) -> int:
     from zerokl.launch import launch
     from zerokl.ppo.setup import base_checkpoint
 
-    _check_nproc(cfg, nproc)
     base_checkpoint(cfg, out)
     return launch(sys.argv[1:], nproc)
 
@@ -214,8 +212,8 @@ def _config_key(path: str, key: str) -> object:
 
 def _check_nproc(cfg: PPOConfig, nproc: int) -> None:
     if nproc > 1 and cfg.max_staleness:
-        raise ConfigError(f"--nproc-per-node {nproc} with max_staleness > 0 is not supported (rank 0 alone keeps the "
-                          "earlier versions the check runs on); set max_staleness: 0 or run one process")
+        raise ConfigError(f"ppo config: {nproc} processes with max_staleness > 0 is not supported (rank 0 alone keeps "
+                          "the earlier versions the check runs on); set max_staleness: 0 or run one process")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
