@@ -23,6 +23,7 @@ from parity.patching import require
 
 WRITTEN_FOR = ("0.6.0",)
 _LOCK = threading.RLock()
+_FOUND: dict[int, list] = {}  # the last walk: the number of loaded modules then -> fla's autotuners
 
 
 def check_version() -> None:
@@ -33,9 +34,14 @@ def check_version() -> None:
 
 
 def autotuners() -> list:
-    """Every Triton autotuner among the loaded fla modules (under `triton.heuristics` wrappers too), each once."""
+    """Every Triton autotuner among the loaded fla modules (under `triton.heuristics` wrappers too), each once. The
+    walk over the modules' attributes (a few ms; a trainer step pins once per KDA layer) is redone only when a module
+    has been imported since the last one."""
     from triton.runtime.autotuner import Autotuner
 
+    loaded = len(sys.modules)
+    if loaded in _FOUND:
+        return _FOUND[loaded]
     found: dict[int, Autotuner] = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith("fla.") or module is None:
@@ -45,7 +51,9 @@ def autotuners() -> list:
                 obj = obj.fn  # Heuristics -> Autotuner -> JITFunction
             if isinstance(obj, Autotuner):
                 found.setdefault(id(obj), obj)
-    return list(found.values())
+    _FOUND.clear()
+    _FOUND[loaded] = list(found.values())
+    return _FOUND[loaded]
 
 
 @contextlib.contextmanager
