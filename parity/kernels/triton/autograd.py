@@ -61,7 +61,7 @@ def _outputs(result: Any) -> list[Any]:
 
 class _ForwardThenBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op: tuple[Callable, Callable, Callable], call: tuple[tuple, dict], box: list,
+    def forward(ctx, op: tuple[Callable, Callable, Callable | None], call: tuple[tuple, dict], box: list,
                 *leaves: torch.Tensor):
         forward, backward, around = op
         args, kwargs = call
