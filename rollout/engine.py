@@ -94,7 +94,7 @@ class RolloutEngine:
             engine_args.setdefault("disable_log_stats", False)
             engine_args.setdefault("enable_prefix_caching", False)  # vLLM's default is on; drafts run without it
         self.graphs = graphs.graphed(kernels, platform_device().type, enforce_eager,
-                                     bool(engine_args.get("enable_lora")), self.speculative, self.vision)
+                                     bool(engine_args.get("enable_lora")), self.speculative)
         with _engine_core_in_process():
             self.llm = LLM(model=str(checkpoint), dtype=model_cfg.text.torch_dtype, hf_overrides=overrides,
                            logprobs_mode="processed_logprobs", **graphs.engine_args(self.graphs),

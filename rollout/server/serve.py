@@ -74,7 +74,7 @@ def serve_argv(checkpoint: str | Path, kernels: str = "invariant", host: str = "
     CUDA the server replays decode steps from CUDA graphs where `rollout.vllm.graphs` allows (`--enforce-eager` in
     `vllm_args`: never)."""
     graphs = graphed(kernels, platform_device().type, "--enforce-eager" in vllm_args, lora is not None,
-                     "--speculative-config" in vllm_args, vision)
+                     "--speculative-config" in vllm_args)
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(checkpoint),

@@ -4,11 +4,13 @@ A step of single-token decodes runs as one dense group (`rollout.vllm.caches.Ste
 the device and nothing read back to the host, over metadata that are views of the model runner's persistent buffers
 (`rollout.vllm.backends`), so vLLM's FULL_DECODE_ONLY capture holds the whole forward (no torch.compile: compilation
 mode NONE) and a replay launches the eager step's kernels on the same inputs: the same bits (a GPU test compares an
-eager engine with a graphed one token for token). Prefill and mixed steps run eagerly. Graphed: the Triton kernels
-(`invariant` on CUDA, `triton`), whose whole decode step is captured in the rollout model's own graph test. Eager
-throughout: the `fast` kernels (fla's and torch's ops, not checked for capture), every CPU engine (vLLM's CPU runner
-has no graphs), LoRA (a step's adapter groups are chosen on the host), speculative decoding and the vision tower
-(neither yet run on the GPU path), and `enforce_eager`.
+eager engine with a graphed one token for token, image prompts among them). Prefill and mixed steps run eagerly; a
+model with a vision tower takes its decode rows as `inputs_embeds` from the runner's persistent buffer, filled by
+`embed_input_ids` before the step (outside the graph), so image prompts decode from graphs too. Graphed: the Triton
+kernels (`invariant` on CUDA, `triton`), whose whole decode step is captured in the rollout model's own graph test.
+Eager throughout: the `fast` kernels (fla's and torch's ops, not checked for capture), every CPU engine (vLLM's CPU
+runner has no graphs), LoRA (a step's adapter groups are chosen on the host), speculative decoding (not yet run on the
+GPU path), and `enforce_eager`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from parity.kernels import runs_triton
 COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # mode 0: vLLM's CompilationMode.NONE
 
 
-def graphed(kernels: str, device: str, enforce_eager: bool = False, lora: bool = False, speculative: bool = False,
-            vision: bool = False) -> bool:
+def graphed(kernels: str, device: str, enforce_eager: bool = False, lora: bool = False,
+            speculative: bool = False) -> bool:
     """Whether an engine of kernel set `kernels` on `device` ("cuda" or "cpu") with these settings replays its decode
     steps from graphs."""
     return device == "cuda" and runs_triton(kernels, torch.device(device)) and not (
-        enforce_eager or lora or speculative or vision)
+        enforce_eager or lora or speculative)
 
 
 def engine_args(graphs: bool) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import free_port, running_server
+from helpers import free_port, picture, running_server
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -92,17 +92,21 @@ def test_serve_on_the_gpu_answers_the_openai_client_with_the_offline_engines_log
         assert torch.equal(torch.tensor(logprobs, dtype=torch.float32), want.logprobs), f"prompt {i}: log-probs differ"
 
 
-GRAPH_PROMPTS = [[3 + i, 11, 200 + 5 * i] * (1 + i % 4) for i in range(12)]
+GRAPH_TEXT = [[4 + i, 11, 200 + 5 * i] * (1 + i % 4) for i in range(10)]
 
 
 def test_decode_replayed_from_cuda_graphs_gives_the_eager_engines_bits(k3_micro: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The same requests through an engine whose decode steps replay vLLM's CUDA graphs and through an eager one
-    (`enforce_eager`): equal tokens, processed and raw log-probs and experts, bit for bit; the graphed engine holds
-    graphs for its decode batches."""
+    (`enforce_eager`), image prompts among them (their decode rows come from the runner's embedding buffer): equal
+    tokens, processed and raw log-probs and experts, bit for bit; the graphed engine holds graphs for its decode
+    batches."""
     from rollout.engine import RolloutEngine
+    from rollout.sampling import ImagePrompt
     from rollout.vllm.graphs import captured
 
+    prompts = [*GRAPH_TEXT, ImagePrompt([40, 3, 41, 42], (picture(60, 40, 1),)),
+               ImagePrompt([3, 43, 3, 44], (picture(30, 100, 2), picture(90, 90, 3)))]  # 3: k3-micro's placeholder
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     runs = {}
     for eager in (False, True):
@@ -112,8 +116,8 @@ def test_decode_replayed_from_cuda_graphs_gives_the_eager_engines_bits(k3_micro:
             assert engine.graphs is not eager
             if not eager:
                 assert engine.llm.collective_rpc(captured)[0], "no decode graph was captured"
-            runs[eager] = engine.generate(GRAPH_PROMPTS, n=2, temperature=1.0, max_tokens=24,
-                                          seed=list(range(len(GRAPH_PROMPTS))), record=True)
+            runs[eager] = engine.generate(prompts, n=2, temperature=1.0, max_tokens=24,
+                                          seed=list(range(len(prompts))), record=True)
         finally:
             engine.close()
     for i, (graphed, eager) in enumerate(zip(runs[False], runs[True])):

@@ -8,10 +8,10 @@ import json
 from rollout.vllm.graphs import COMPILATION, engine_args, graphed, server_argv
 
 
-def test_only_the_triton_kernels_on_cuda_without_lora_drafts_or_images_are_graphed() -> None:
+def test_only_the_triton_kernels_on_cuda_without_lora_or_drafts_are_graphed() -> None:
     assert graphed("invariant", "cuda") and graphed("triton", "cuda")
     assert not graphed("fast", "cuda") and not graphed("invariant", "cpu") and not graphed("triton", "cpu")
-    for off in ({"enforce_eager": True}, {"lora": True}, {"speculative": True}, {"vision": True}):
+    for off in ({"enforce_eager": True}, {"lora": True}, {"speculative": True}):
         assert not graphed("invariant", "cuda", **off), off
 
 
