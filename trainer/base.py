@@ -54,6 +54,19 @@ class TrainerBackend(ABC):
     def world_size(self) -> int:
         return dist.get_world_size()
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: those that train on different samples (every rank but a tensor-parallel peer's)."""
+        return self.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+    def dp_all_gather(self, obj: T) -> list[T]:
+        """Every data-parallel rank's `obj`, in DP-rank order, on every rank (pickled)."""
+        return self.all_gather(obj)
+
     def logprobs(self, batch: PaddedBatch | PackedBatch, temperature: float | Sampling) -> torch.Tensor:
         """Next-token log-probs of every token, no grad: [B, T] for a padded batch (0 at each row's last token and on
         padding), [N] for a packed one; the rollout engine's bits. Every rank gets them."""

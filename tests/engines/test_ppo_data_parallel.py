@@ -1,9 +1,11 @@
-"""Data parallelism that adds throughput: `zerokl ppo --backend B --nproc-per-node 2` with `data_parallel: shard`
-(k3-tiny-mxfp4; Megatron's DDP, and DeepSpeed's ZeRO-3): each rank trains on its own half of every step's samples (the
-metrics show both halves: their sample and token counts and their mean rewards, which differ), every sampled log-prob,
-raw log-prob and expert choice of both halves is checked bit for bit (on Megatron with its distributed optimizer:
-each rank keeps the Adam state of half of the parameters), and the run is deterministic: resumed from its
-step-1 checkpoint on two fresh processes, step 1's metrics and the final weights are bitwise the uninterrupted run's.
+"""Training past one rank: `zerokl ppo` on k3-tiny-mxfp4 over two data-parallel ranks, each training on its own half
+of every step's samples (`data_parallel: shard`, the default) - on Megatron at TP 2 x EP 2 x DP 2 (four processes:
+each TP pair holds half of every dense layer's heads and columns, each EP pair half of the routed experts, Megatron's
+distributed optimizer over the DP pair), and on DeepSpeed's ZeRO-3 over two processes. The metrics show both halves
+(their sample and token counts and their mean rewards, which differ); every sampled log-prob, raw log-prob and expert
+choice of both halves is checked bit for bit against the one-process rollout engine; and the run is deterministic:
+resumed from its step-1 checkpoint on fresh processes, step 1's metrics and the final weights are bitwise the
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -26,10 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 
-def _ppo(backend: str, *argv: str) -> None:
-    res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", *argv, "--backend", backend,
-                          "--nproc-per-node", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+LAYOUTS = {"megatron": ("--nproc-per-node", "4", "--tp", "2", "--ep", "2"), "deepspeed": ("--nproc-per-node", "2")}
+MINIBATCHES = {"megatron": 2, "deepspeed": 1}  # two: the old-log-prob pass runs, each DP rank scoring its block
+
+
+def _ppo(backend: str, *argv: str, layout: tuple[str, ...] = ("--nproc-per-node", "2")) -> str:
+    res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", *argv, "--backend", backend, *layout],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -39,19 +46,26 @@ def _metrics(out: Path) -> list[dict]:
 @pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
 def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3_tiny_mxfp4: Path, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
-    config.write_text(config.read_text() + "data_parallel: shard\n")
+    config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1,
+                             num_minibatches=MINIBATCHES[backend])
     run, resumed = tmp_path / "run", tmp_path / "resumed"
-    _ppo(backend, "--config", str(config), "--out", str(run))
+    layout = LAYOUTS[backend]
+    out = _ppo(backend, "--config", str(config), "--out", str(run), layout=layout)
+    if backend == "megatron":
+        assert "4 processes, TP 2 x DP 2, experts over EP 2; each DP rank trains on its own part" in out, out[-2000:]
     metrics = _metrics(run)
+    first_update = 32 // MINIBATCHES[backend]  # the samples of the step's first update, half on each DP rank
     samples = [m["dp_rank0_samples"] + m["dp_rank1_samples"] for m in metrics]
-    assert samples == [32] * STEPS and all(m["dp_size"] == 2 and m["dp_rank0_samples"] == 16 for m in metrics)
+    assert samples == [first_update] * STEPS and all(m["dp_size"] == 2 for m in metrics)
+    assert all(m["dp_rank0_samples"] == first_update // 2 for m in metrics)
     for m in metrics:
         assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["raw_bitwise_equal_frac"] == 1.0 \
             and m["routing_agreement"] == 1.0 and m["parity_checked_frac"] == 1.0, m
-        assert m["dp_rank0_reward_mean"] + m["dp_rank1_reward_mean"] == pytest.approx(2 * m["reward_mean"])
+        if first_update == 32:  # the whole step's samples: the halves' means average to the step's
+            assert m["dp_rank0_reward_mean"] + m["dp_rank1_reward_mean"] == pytest.approx(2 * m["reward_mean"])
     assert any(m["dp_rank0_reward_mean"] != m["dp_rank1_reward_mean"] for m in metrics)  # two different shards
-    _ppo(backend, "--config", str(config), "--out", str(resumed), "--resume", str(run / "checkpoints" / "step-1"))
+    _ppo(backend, "--config", str(config), "--out", str(resumed), "--resume", str(run / "checkpoints" / "step-1"),
+         layout=layout)
     again = _metrics(resumed)
     assert [m["step"] for m in again] == [1]
     assert {k: v for k, v in again[0].items() if k not in TIMING_KEYS} == \
@@ -59,19 +73,17 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
     want = torch.load(run / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     got = torch.load(resumed / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
-    one = tmp_path / "one-process.yaml"  # resumed on one process: refused before anything starts
-    one.write_text(config.read_text().replace("data_parallel: shard\n", ""))
-    capsys.readouterr()
-    assert main(["ppo", "--config", str(one), "--out", str(tmp_path / "bad"), "--backend", backend,
+    capsys.readouterr()  # resumed on one process: refused before anything starts
+    assert main(["ppo", "--config", str(config), "--out", str(tmp_path / "bad"), "--backend", backend,
                  "--resume", str(run / "checkpoints" / "step-1")]) == 2
     err = capsys.readouterr().err
-    assert "on 2 processes" in err and "Traceback" not in err, err[-2000:]
+    said = "at tp: 2" if backend == "megatron" else "on 2 processes"
+    assert said in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "bad").exists()
-    if backend == "megatron":  # ZeRO-1: each rank saved (and held) the Adam moments of half of the parameters
-        shards = [torch.load(run / "checkpoints" / "step-1" / f"optimizer-rank{r}.pt") for r in (0, 1)]
+    if backend == "megatron":  # ZeRO-1: the two DP peers of a TP x EP shard (ranks r and r + 2) hold half its moments
+        shards = [torch.load(run / "checkpoints" / "step-1" / f"optimizer-rank{r}.pt") for r in range(4)]
         held = [sum(s["exp_avg"].numel() for part in shard for s in part["state"].values()) for shard in shards]
-        weights = sum(t.numel() for t in want.values())  # the frozen ones (DSA indexer, vision tower) hold no moments
-        assert 0 < sum(held) <= weights and abs(held[0] - held[1]) <= 1e-3 * sum(held), (held, weights)
+        assert all(held) and all(abs(held[r] - held[r + 2]) <= 1e-3 * held[r] for r in (0, 1)), held
 
 
 def test_lora_on_two_megatron_ranks_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
@@ -82,6 +94,7 @@ def test_lora_on_two_megatron_ranks_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mx
     from safetensors.torch import load_file
 
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
+    config.write_text(config.read_text() + "data_parallel: replicate\n")
     run, resumed = tmp_path / "run", tmp_path / "resumed"
     _ppo("megatron", "--config", str(config), "--out", str(run), "--lora")
     assert all(m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 for m in _metrics(run))

@@ -43,8 +43,11 @@ def ckpt(k3_tiny_mxfp4: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def config(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference run's config on `ckpt`, STEPS steps, a checkpoint every CHECKPOINT_EVERY steps, no wandb."""
-    return ppo_config_file(tmp_path_factory.mktemp("ds-cmd"), PPO_REFERENCE_CONFIG, ckpt, STEPS, CHECKPOINT_EVERY)
+    """The reference run's config on `ckpt`, STEPS steps, a checkpoint every CHECKPOINT_EVERY steps, no wandb; every
+    rank trains on the whole batch (`data_parallel: replicate`), as the one-process reference run does."""
+    config = ppo_config_file(tmp_path_factory.mktemp("ds-cmd"), PPO_REFERENCE_CONFIG, ckpt, STEPS, CHECKPOINT_EVERY)
+    config.write_text(config.read_text() + "data_parallel: replicate\n")
+    return config
 
 
 @pytest.fixture(scope="module")

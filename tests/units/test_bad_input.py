@@ -96,9 +96,12 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"num_rollout_servers": "-1"}, "num_rollout_servers must be >= 0"),
     ({"sync": "torch_distributed"}, "sync torch_distributed reaches rollout servers"),
     ({"sync": "cuda_ipc", "num_rollout_servers": "1"}, "sync cuda_ipc reaches the in-process engine"),
-    ({"data_parallel": "shard"}, "data_parallel: shard needs several processes"),
     ({"backend": "deepspeed", "data_parallel": "both"}, "data_parallel must be one of replicate, shard"),
-    ({"backend": "deepspeed", "data_parallel": "shard"}, "data_parallel: shard needs several processes"),
+    ({"tp": "0"}, "tp must be >= 1, got 0"),
+    ({"ep": "1.5"}, "ep must be an integer, got 1.5"),
+    ({"tp": "2", "backend": "deepspeed"}, "tp: 2 and backend: deepspeed is not supported"),
+    ({"ep": "2", "lora": "true"}, "ep: 2 and lora: true is not supported"),
+    ({"tp": "2", "ep": "2", "advantage": "gae"}, "tp: 2 with ep: 2 and advantage: gae is not supported"),
     ({"top_p": "1.5"}, "top_p must be in (0, 1], got 1.5"),
     ({"top_k": "0"}, "top_k must be an integer >= 1, got 0"),
     ({"top_k": "2.5"}, "top_k must be an integer"),
@@ -129,6 +132,19 @@ def test_ppo_on_several_processes_with_staleness_is_refused(k3_tiny: Path, tmp_p
     config = _ppo_config(tmp_path, k3_tiny, max_staleness=1)
     _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), "--nproc-per-node", "2"], capsys,
                 str(config), "2 processes with max_staleness > 0 is not supported")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--nproc-per-node", "3", "--tp", "2"], "tp: 2 does not divide the 3 processes"),
+    (["--nproc-per-node", "4", "--ep", "3"], "ep: 3 does not divide the 4 processes"),
+    (["--nproc-per-node", "3"], "the 32 samples of a step (prompts_per_step x samples_per_prompt) must divide into "
+                                "num_minibatches = 1 x 3 equal parts"),
+])
+def test_ppo_layouts_that_do_not_divide_are_refused(argv: list[str], says: str, k3_tiny: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    config = _ppo_config(tmp_path, k3_tiny)
+    _user_error(["ppo", "--config", str(config), "--out", str(tmp_path / "out"), *argv], capsys, str(config), says)
     assert not (tmp_path / "out").exists()
 
 

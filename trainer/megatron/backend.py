@@ -1,8 +1,9 @@
 """`MegatronBackend`: the Megatron-core trainer (`trainer.megatron.train`) behind `TrainerBackend`: Megatron DDP +
-Megatron Adam, TP = EP = 1, data parallel over the processes of the run (`WORLD_SIZE`, one when alone). On several
-ranks the optimizer is Megatron's distributed one (ZeRO-1): the gradients are reduce-scattered (averaged over the
-ranks), each rank steps its 1/DP share of the fp32 parameters with its share of the Adam state, and the parameters
-are all-gathered, so every rank holds the same weights."""
+Megatron Adam over the processes of the run (`WORLD_SIZE`, one when alone) at a TP x EP x DP layout
+(`trainer.megatron.parallel`: DP = processes / TP, EP splitting the experts across the DP ranks). On several
+data-parallel ranks the optimizer is Megatron's distributed one (ZeRO-1): the gradients are reduce-scattered (averaged
+over the DP ranks), each rank steps its 1/DP share of its fp32 parameters with its share of the Adam state, and the
+parameters are all-gathered, so every DP rank holds the same weights."""
 
 from __future__ import annotations
 
@@ -10,35 +11,53 @@ from pathlib import Path
 
 import torch
 
+import torch.distributed as dist
+from megatron.core import parallel_state
+
 from lora.adapter import Adapter, load_adapter
-from lora.spec import AdapterError
-from trainer.base import ADAPTER_DIR, WEIGHTS_FILE, LossFn, TrainerBackend
-from trainer.megatron.io import export_adapter, export_official, load_official, save_adapter
+from trainer.base import ADAPTER_DIR, WEIGHTS_FILE, LossFn, T, TrainerBackend
+from trainer.megatron.io import copy_adapter, export_adapter, export_official, load_official, save_adapter
 from trainer.megatron.parallel import destroy_parallel, init_parallel
 from trainer.megatron.train import build_trainer, train_step
 
-OPTIMIZER_FILE = "optimizer.pt"  # in a saved state: Megatron's optimizer state dict
-SHARD_FILE = "optimizer-rank{rank}.pt"  # with the distributed optimizer: rank r's share of the Adam state
+OPTIMIZER_FILE = "optimizer.pt"  # in a saved state of one process: Megatron's optimizer state dict
+SHARD_FILE = "optimizer-rank{rank}.pt"  # on several processes: rank r's Adam state (its shard, its share)
 VALUE_HEAD_FILE = "value_head.pt"  # in a saved state with a value head: its [1, hidden + 1] fp32 weight
 
 
 class MegatronBackend(TrainerBackend):
-    """`trainer.megatron.train.build_trainer` at TP = EP = 1 on every rank of the run (DP = the world size), with a
+    """`trainer.megatron.train.build_trainer` at `tp` x `ep` over the ranks of the run (DP = world size / tp), with a
     value head (GAE's critic) when `value_head_lr` is given: trained in the same optimizer step at its own learning
-    rate, saved and restored with the state, never exported. Rank 0 writes the weights; with the distributed
-    optimizer every rank writes its own share of the Adam state (SHARD_FILE), so a saved state resumes on the same
-    number of ranks."""
+    rate, saved and restored with the state, never exported. Rank 0 writes the weights (gathered from the shards);
+    on several processes every rank writes its own Adam state (SHARD_FILE), so a saved state resumes on the same
+    layout."""
 
     name = "megatron"
 
     def __init__(self, checkpoint: Path, lr: float, clip_grad: float, weight_decay: float, kernels: str,
-                 adapter: Adapter | None, value_head_lr: float | None = None, train_vision: bool = False):
-        self.par = init_parallel(1, 1)
+                 adapter: Adapter | None, value_head_lr: float | None = None, train_vision: bool = False,
+                 tp: int = 1, ep: int = 1):
+        self.par = init_parallel(tp, ep)
         self.trainer = build_trainer(checkpoint, self.par, lr=lr, clip_grad=clip_grad, weight_decay=weight_decay,
                                      kernels=kernels, adapter=adapter, value_head_lr=value_head_lr,
                                      train_vision=train_vision)
         self.model_cfg = self.trainer.module.config.k3
         self.has_adapter = adapter is not None
+
+    @property
+    def dp_size(self) -> int:
+        return self.par.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.par.dp_rank
+
+    def dp_all_gather(self, obj: T) -> list[T]:
+        if self.par.dp == 1:
+            return [obj]
+        out: list = [None] * self.par.dp
+        dist.all_gather_object(out, obj, group=parallel_state.get_data_parallel_group())
+        return out
 
     def train_step(self, *loss_fns: LossFn) -> tuple[float, float]:
         return train_step(self.trainer, *loss_fns)
@@ -62,7 +81,7 @@ class MegatronBackend(TrainerBackend):
         return path
 
     def _save_optimizer(self, path: Path) -> None:
-        if self.par.dp > 1:
+        if self.world_size > 1:
             torch.save([part.optimizer.state_dict() for part in self._optimizers()],
                        path / SHARD_FILE.format(rank=self.rank))
         elif self.rank == 0:
@@ -78,12 +97,12 @@ class MegatronBackend(TrainerBackend):
         shards = sorted(path.glob(SHARD_FILE.format(rank="*")))
         if not shards and not (path / OPTIMIZER_FILE).is_file():
             raise FileNotFoundError(f"{path} holds no Megatron trainer state (no {OPTIMIZER_FILE})")
-        if len(shards) != (self.par.dp if self.par.dp > 1 else 0):
-            saved = f"{len(shards)} data-parallel ranks" if shards else "one process"
+        if len(shards) != (self.world_size if self.world_size > 1 else 0):
+            saved = f"{len(shards)} processes" if shards else "one process"
             raise FileNotFoundError(f"{path} holds the Megatron optimizer state of {saved}; resume it on as many "
-                                    f"(this run has {self.par.dp})")
+                                    f"(this run has {self.world_size})")
         if self.has_adapter:
-            self._load_adapter(load_adapter(path / ADAPTER_DIR, self.model_cfg.text))
+            copy_adapter(self.trainer.module, load_adapter(path / ADAPTER_DIR, self.model_cfg.text))
         else:
             load_official(self.trainer.module, torch.load(path / WEIGHTS_FILE))
         head = self.trainer.module.value_head
@@ -98,17 +117,6 @@ class MegatronBackend(TrainerBackend):
                 part.optimizer.load_state_dict(state)
         else:
             self.trainer.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
-
-    def _load_adapter(self, adapter: Adapter) -> None:
-        """Copy `adapter`'s tensors into the attached LoRA modules (whole tensors: TP = 1)."""
-        module = self.trainer.module
-        if {f"{m}.weight" for m in adapter.weights} != set(module.lora_scales):
-            raise AdapterError("the saved adapter adapts other modules than this trainer's")
-        with torch.no_grad():
-            for m, (a, b) in adapter.weights.items():
-                target = module.lora_module(f"{m}.weight")
-                target.lora_A.weight.copy_(a)
-                target.lora_B.weight.copy_(b)
 
     def close(self) -> None:
         destroy_parallel(self.par)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from lora.adapter import Adapter, validate
+from lora.spec import AdapterError
 from lora.adapter import save_adapter as write_adapter
 from lora.state import write_shard
 from lora.targets import tensor_name
@@ -132,6 +133,15 @@ def load_adapter(model: MegatronK3Model, adapter: Adapter) -> list[str]:
     spec = adapter.spec
     model.add_lora({f"{m}.weight": (spec.rank(m), spec.scale(m)) for m in adapter.weights})
     model.lora_spec = spec
+    copy_adapter(model, adapter)
+    return list(model.lora_scales)
+
+
+def copy_adapter(model: MegatronK3Model, adapter: Adapter) -> None:
+    """Copy this rank's TP shard of `adapter`'s A and B into the model's attached LoRA modules (the same modules:
+    AdapterError otherwise)."""
+    if {f"{m}.weight" for m in adapter.weights} != set(model.lora_scales):
+        raise AdapterError("the adapter adapts other modules than this trainer's")
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for module, (a, b) in adapter.weights.items():
@@ -140,7 +150,6 @@ def load_adapter(model: MegatronK3Model, adapter: Adapter) -> list[str]:
             a_split, b_split = lora_splits(split_of(base))
             target.lora_A.weight.copy_(shard(f"{module}.lora_A", a, a_split, tp_rank, tp))
             target.lora_B.weight.copy_(shard(f"{module}.lora_B", b, b_split, tp_rank, tp))
-    return list(model.lora_scales)
 
 
 def export_adapter(model: MegatronK3Model) -> Adapter:

@@ -1,5 +1,5 @@
 """`zerokl ppo --config C [--steps N] [--out DIR] [--resume DIR] [--kernels K] [--on-mismatch M] [--wandb W]
-[--backend megatron|deepspeed] [--zero-stage 2|3] [--nproc-per-node N] [--rollout-servers URL,... |
+[--backend megatron|deepspeed] [--zero-stage 2|3] [--nproc-per-node N [--tp T] [--ep E]] [--rollout-servers URL,... |
 --num-rollout-servers N]`.
 
 Writes `OUT/metrics.jsonl` (one line per step, keys `METRIC_KEYS` plus loss/grad_norm/sync figures),
@@ -9,10 +9,12 @@ broke parity (after the diagnosis), 2 for user errors (among them a reward funct
 something other than a finite number mid-run: the error names the dataset line and the step).
 
 `--nproc-per-node N` (N > 1) starts N processes of this command (`zerokl.launch`; the run's starting checkpoint is
-created first); under any torchrun-style launcher the command runs as one rank of it. On the megatron backend the
-ranks are data parallel (TP = EP = 1, the gradients averaged, Megatron's distributed optimizer); on DeepSpeed, ZeRO
-partitions over them. Every rank trains on the whole batch, or on its own part with `data_parallel: shard`. Rank 0
-owns the rollout engine and writes the metrics, wandb and console output; checkpoints are written collectively.
+created first); under any torchrun-style launcher the command runs as one rank of it. On the megatron backend they
+form TP x DP = N ranks with the routed experts split over EP (`--tp`, `--ep`, config keys `tp`, `ep`; the DP
+gradients averaged, Megatron's distributed optimizer over the DP ranks); on DeepSpeed, ZeRO partitions over them.
+Each data-parallel rank trains on its own part of every minibatch (`data_parallel: shard`, the default), or on the
+whole batch with `data_parallel: replicate`. Rank 0 owns the rollout engine and writes the metrics, wandb and console
+output; checkpoints are written collectively.
 
 `--rollout-servers URL,...` rolls out on running `zerokl serve` servers and syncs weights into them
 (`rollout.client.remote`); `--num-rollout-servers N` starts N of them on this machine first (`rollout.client.local_servers`, logs
@@ -84,7 +86,7 @@ def _wandb_run(cfg: PPOConfig, out: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerokl.ppo.setup import check_sharding
+    from zerokl.ppo.setup import check_sharding, data_parallel_ranks
 
     servers = args.num_rollout_servers
     if args.ray is not None and servers is None and not _config_key(args.config, "num_rollout_servers"):
@@ -92,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
                           wandb=args.wandb, lora=args.lora or None, backend=args.backend,
                           zero_stage=args.zero_stage, rollout_servers=args.rollout_servers,
-                          num_rollout_servers=servers)
+                          num_rollout_servers=servers, tp=args.tp, ep=args.ep)
     out = Path(args.out)
     try:
-        check_sharding(cfg, int(os.environ.get("WORLD_SIZE", args.nproc_per_node)))
-        _check_nproc(cfg, int(os.environ.get("WORLD_SIZE", args.nproc_per_node)))
+        processes = int(os.environ.get("WORLD_SIZE", args.nproc_per_node))
+        check_sharding(cfg, data_parallel_ranks(cfg, processes))
+        _check_nproc(cfg, processes)
     except ConfigError as e:
         raise ConfigError(f"{args.config}: {str(e).removeprefix('ppo config: ')}") from None
     if args.ray is not None:
@@ -233,9 +236,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("megatron", "deepspeed"), help="trainer backend (default: the config's, "
                    "megatron)")
     p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")
-    p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (megatron: data parallel; "
-                   "DeepSpeed: ZeRO partitions over them; every rank trains on the whole batch, or on its own part with "
-                   "data_parallel: shard); N > 1 starts N copies of this command")
+    p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (megatron: TP x DP of them, "
+                   "experts split over EP; DeepSpeed: ZeRO partitions over them; each data-parallel rank trains on its "
+                   "own part of every minibatch, or on the whole batch with data_parallel: replicate); N > 1 starts N "
+                   "copies of this command")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel ranks (megatron; config key tp, default 1)")
+    p.add_argument("--ep", type=positive_int, help="expert-parallel ranks (megatron; config key ep, default 1)")
     p.add_argument("--rollout-servers", type=_urls, metavar="URL[,URL...]", help="roll out on these running `zerokl "
                    "serve` servers (same checkpoint) over HTTP and sync weights into them (config key "
                    "rollout_servers)")

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from parity.config import ConfigError, load_model_config
-from parity.kernels import KERNEL_SETS, get_kernels, platform_device
+from parity.kernels import KERNEL_SETS, get_kernels, platform_device, runs_triton
 from parity.kernels.logprobs import Sampling
 from trainer.backend import BACKENDS, DEFAULT_ZERO_STAGE, ZERO_STAGES
 from zerokl.tasks import make_task, resolve_paths
@@ -80,7 +80,10 @@ class PPOConfig:
     wandb: str = "offline"
     backend: str = "megatron"  # trainer backend (trainer.backend): megatron (data parallel) or deepspeed (ZeRO)
     zero_stage: int | None = None  # backend: deepspeed only; its ZeRO stage, 2 or 3 (DEFAULT_ZERO_STAGE)
-    data_parallel: str = "replicate"  # on N processes: replicate (each rank the whole batch) or shard
+    data_parallel: str = "shard"  # on several data-parallel ranks: shard (each its own part of every minibatch) or
+    # replicate (each the whole batch)
+    tp: int = 1  # backend: megatron; tensor-parallel ranks (attention heads, MLP and vocabulary columns split)
+    ep: int = 1  # backend: megatron; expert-parallel ranks (the routed experts split); DP = processes / tp
     lora: bool = False  # train only a LoRA adapter (base frozen) and sync only the adapter
     lora_rank: int | None = None  # lora only (LORA_DEFAULTS)
     lora_alpha: float | None = None  # lora only (LORA_DEFAULTS)
@@ -164,6 +167,7 @@ class PPOConfig:
             raise ConfigError(f"ppo config: zero_stage is only read with backend: deepspeed, not {self.backend!r}; "
                               "drop zero_stage or set backend: deepspeed")
         self._check_lora_keys()
+        self._check_model_parallel()
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "max_turns", "checkpoint_every",
                      "ppo_epochs", "num_minibatches", "parity_check_every"):
             _at_least(name, getattr(self, name), 1)
@@ -298,6 +302,29 @@ class PPOConfig:
         if not self.lora_alpha > 0:
             raise ConfigError(f"ppo config: lora_alpha must be > 0, got {self.lora_alpha}")
 
+    def _check_model_parallel(self) -> None:
+        """tp and ep: at least 1; above 1 only where the trainer splits that way (the megatron backend, full weights
+        or a LoRA adapter on dense layers, a frozen vision tower, no value head) and EP only off the Triton kernels."""
+        for name in ("tp", "ep"):
+            _at_least(name, getattr(self, name), 1)
+        split = [f"{name}: {getattr(self, name)}" for name in ("tp", "ep") if getattr(self, name) > 1]
+        if not split:
+            return
+        refused = {
+            f"backend: {self.backend}": (self.backend != "megatron", "DeepSpeed partitions with ZeRO over data-parallel "
+                                         "ranks only"),
+            f"kernels: {self.kernels}": (self.ep > 1 and runs_triton(self.kernels, platform_device()),
+                                         "the Triton grouped expert op adds a token's expert products inside one call, "
+                                         "which products formed on other ranks would not reproduce"),
+            "lora: true": (self.lora and self.ep > 1, "adapters on expert-parallel ranks are not built"),
+            "vision_tower: trainable": (self.vision_tower == "trainable", "the trained tower is not split over ranks"),
+            "advantage: gae": (self.advantage == "gae", "the value head is not split over ranks"),
+        }
+        for what, (given, why) in refused.items():
+            if given:
+                raise ConfigError(f"ppo config: {' with '.join(split)} and {what} is not supported ({why}); "
+                                  f"drop {split[0].split(':')[0]} or {what.split(':')[0]}")
+
     def _check_gae(self) -> None:
         """advantage: gae: GAE_DEFAULTS fill the keys not given; values in range; what the value head runs with."""
         for name, default in GAE_DEFAULTS.items():
@@ -376,6 +403,8 @@ OWN_VALUE_CHECKS: dict[str, Callable[[Any], None]] = {
     "backend": lambda v: _choice("backend", v, BACKENDS),
     "zero_stage": _zero_stage,
     "num_rollout_servers": lambda v: _at_least("num_rollout_servers", v, 0),
+    "tp": lambda v: _at_least("tp", v, 1),
+    "ep": lambda v: _at_least("ep", v, 1),
     "lora": lambda v: None,
     "rollout_servers": lambda v: None,
 }

@@ -33,7 +33,7 @@ from zerokl.ppo.reference import reference_forward, reference_logprobs
 from zerokl.ppo.rollouts import ENGINE_ARGS, Ahead, Rollouts, StaleRollout, engine_args_for
 from zerokl.ppo.samples import Rolled, StepBatch
 from zerokl.ppo.setup import (adapter_rank, base_checkpoint, chat_dialogue, check_prompt_lengths, check_reference,
-                              check_sharding, eos_token_id, image_encoder, initial_adapter)
+                              check_sharding, data_parallel_ranks, eos_token_id, image_encoder, initial_adapter)
 from zerokl.ppo.sync import Sync, kept_copy
 from zerokl.ppo.update import Update
 from zerokl.tasks import RewardError, make_task
@@ -56,7 +56,7 @@ class PPORun:
 
         if resume is not None:
             state.check_resumable(resume, cfg)
-        self.sharded = check_sharding(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        self.sharded = check_sharding(cfg, data_parallel_ranks(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
         self.cfg, self.out, self.log = cfg, out, log
         out.mkdir(parents=True, exist_ok=True)
         self.task = make_task(cfg.task, **(cfg.task_args or {}))
@@ -78,8 +78,12 @@ class PPORun:
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
         self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
                                      adapter=adapter, zero_stage=cfg.zero_stage, value_head_lr=cfg.value_lr,
-                                     train_vision=cfg.vision_tower == "trainable")
+                                     train_vision=cfg.vision_tower == "trainable", tp=cfg.tp, ep=cfg.ep)
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
+        if self.backend.world_size > 1 and self.rank0:
+            log(f"trainer: {self.backend.world_size} processes, TP {cfg.tp} x DP {self.backend.dp_size}, experts over "
+                f"EP {cfg.ep}; each DP rank trains on "
+                f"{'its own part of every minibatch' if self.sharded else 'the whole batch'}")
         frozen = [n for n in text_specs(self.backend.model_cfg.text) if is_indexer(n)]
         if frozen and self.rank0:
             log(f"DSA indexer: its {len(frozen)} tensors stay frozen (the loss reaches them only through the top-k "
@@ -138,7 +142,7 @@ class PPORun:
         t_ref = time.perf_counter() - t_ref
         report: dict[str, Any] = {}
         targets = Targets(cfg, rolled.rewards, step.mask)
-        ranks, rank = (self.backend.world_size, self.backend.rank) if self.sharded else (1, 0)
+        ranks, rank = (self.backend.dp_size, self.backend.dp_rank) if self.sharded else (1, 0)
         kept = None if generated == self.version else lambda: kept_logprobs(
             self.backend.model_cfg.text, self.sync.kept[generated], cfg.kernels, step, cfg.sampling)
         try:

@@ -82,18 +82,29 @@ def check_reference(path: Path, base: Path) -> None:
                           "must have the policy's architecture")
 
 
+def data_parallel_ranks(cfg: PPOConfig, processes: int) -> int:
+    """The run's data-parallel size on `processes` ranks (processes / tp); ConfigError unless tp and ep divide the
+    process count (Megatron's layout: TP ranks share a batch, EP ranks split the experts across the DP ranks)."""
+    for name in ("tp", "ep"):
+        size = getattr(cfg, name)
+        if processes % size:
+            raise ConfigError(f"ppo config: {name}: {size} does not divide the {processes} processes "
+                              f"(--nproc-per-node); run a multiple of {size} processes")
+    return processes // cfg.tp
+
+
 def check_sharding(cfg: PPOConfig, ranks: int) -> bool:
-    """Whether the run shards each minibatch over its `ranks` processes (`data_parallel: shard`); ConfigError unless
-    there are several and every minibatch splits evenly over them (every rank then runs the same passes)."""
-    if cfg.data_parallel != "shard":
+    """Whether the run shards each minibatch over its `ranks` data-parallel ranks (`data_parallel: shard`, the
+    default, on several of them); ConfigError unless every minibatch then splits evenly over them (every rank runs the
+    same passes)."""
+    if cfg.data_parallel != "shard" or ranks < 2:
         return False
     samples = cfg.prompts_per_step * cfg.samples_per_prompt
-    if ranks < 2:
-        raise ConfigError("ppo config: data_parallel: shard needs several processes (--nproc-per-node N > 1)")
     if samples % (cfg.num_minibatches * ranks):
-        raise ConfigError(f"ppo config: data_parallel: shard splits each minibatch over the {ranks} processes: the "
-                          f"{samples} samples of a step (prompts_per_step x samples_per_prompt) must divide into "
-                          f"num_minibatches = {cfg.num_minibatches} x {ranks} equal parts")
+        raise ConfigError(f"ppo config: data_parallel: shard splits each minibatch over the {ranks} data-parallel "
+                          f"ranks: the {samples} samples of a step (prompts_per_step x samples_per_prompt) must divide "
+                          f"into num_minibatches = {cfg.num_minibatches} x {ranks} equal parts; change them or set "
+                          "data_parallel: replicate")
     return True
 
 

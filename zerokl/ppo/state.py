@@ -125,8 +125,8 @@ def read_run_state(path: Path) -> dict:
 
 def check_resumable(path: Path, cfg: PPOConfig) -> None:
     """Before anything starts: `path` is a `zerokl ppo` checkpoint written by the trainer this run uses, the same
-    backend, the same process count (each rank keeps its own share of the optimizer state) and, for DeepSpeed, the
-    same ZeRO stage."""
+    backend, the same layout (process count, tp, ep: each rank keeps its own share of the optimizer state) and, for
+    DeepSpeed, the same ZeRO stage."""
     state = read_run_state(path)
     saved = state["config"]
     same = {"model": Path(str(saved.get("model"))).resolve() == Path(cfg.model).resolve(),
@@ -145,6 +145,11 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
         raise ConfigError(f"{path} was written by the deepspeed backend at ZeRO-{was[1]} on {was[2]} processes; this "
                           f"run is ZeRO-{now[1]} on {now[2]} processes: resume with the same ZeRO stage and process "
                           "count")
+    layout = {key: (saved.get(key, 1), getattr(cfg, key)) for key in ("tp", "ep")}
+    for key, (before, here) in layout.items():
+        if before != here:
+            raise ConfigError(f"{path} was written at {key}: {before}, each rank keeping its shard's optimizer state; "
+                              f"this run has {key}: {here}: resume with the same layout")
     if was[2] != now[2]:
         raise ConfigError(f"{path} was written by the {was[0]} backend on {was[2]} processes, each keeping its share of "
                           f"the optimizer state; this run is on {now[2]}: resume with the same process count")

@@ -12,9 +12,9 @@ version (`check.kept_logprobs`), and every update is then off-policy.
 
 `micro_batch_size` splits each minibatch into forward/backward passes of that many samples whose gradients add up
 (each pass's loss weighted by its share of the minibatch's tokens) before the one optimizer step. With
-`data_parallel: shard` each of the R ranks runs its own block of every minibatch, its loss scaled by R (the trainer
-averages the ranks' gradients: DeepSpeed, and Megatron's DDP), and the check gathers the first update's rows from
-every rank.
+`data_parallel: shard` (the default) each of the R data-parallel ranks runs its own block of every minibatch, its
+loss scaled by R (the trainer averages the DP ranks' gradients: DeepSpeed, and Megatron's DDP; tensor-parallel peers
+run the same block), and the check gathers the first update's rows from every DP rank.
 
 The loss: the clipped surrogate (`zerokl.ppo.algo.ppo_loss`, with a KL penalty to the reference's log-probs and an
 entropy bonus when configured) on the kind of log-prob `logprobs_mode` names, plus `vf_coef` x the clipped value loss
@@ -85,7 +85,7 @@ class Update:
             for rows in order.tensor_split(cfg.num_minibatches):
                 mine = rows.tensor_split(self.ranks)[self.rank]  # with data_parallel: shard, this rank's block
                 if self.ranks > 1 and not shards:
-                    shards.extend(self.backend.all_gather((len(mine), float(self.step.mask[mine].sum()),
+                    shards.extend(self.backend.dp_all_gather((len(mine), float(self.step.mask[mine].sum()),
                                                            float(self.targets.rewards[mine].mean()))))
                 passes = mine.split(cfg.micro_batch_size) if cfg.micro_batch_size else (mine,)
                 loss, grad_norm = self.backend.train_step(*(self._loss_for(r, rows) for r in passes))
@@ -93,8 +93,8 @@ class Update:
                 norms.append(grad_norm)
         per_update = self.per_update
         if self.ranks > 1:  # each rank's losses and stats are its shard's part of the whole: add them up, in rank order
-            losses = [sum(ls) / self.ranks for ls in zip(*self.backend.all_gather(losses))]
-            per_update = [u for part in self.backend.all_gather(per_update) for u in part]
+            losses = [sum(ls) / self.ranks for ls in zip(*self.backend.dp_all_gather(losses))]
+            per_update = [u for part in self.backend.dp_all_gather(per_update) for u in part]
         stats = {name: sum(share * u[key] for share, u in per_update) / updates
                  for name, key in UPDATE_STATS if key in per_update[0][1]}
         return Updated(sum(losses) / len(losses), sum(norms) / len(norms), stats, recomputed, seconds_old,
@@ -103,26 +103,38 @@ class Update:
     def _old_pass(self, step_index: int, updates: int,
                   kept: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None) -> bool:
         """The no-grad pass over every sample at the generating version where one is due, and its check; whether it
-        ran. With GAE it also sets the targets from its values."""
+        ran. With GAE it also sets the targets from its values. With `ranks` > 1 each rank scores its own block of the
+        samples and the blocks are gathered (a row's log-probs do not depend on the rows beside it)."""
         cfg, step = self.cfg, self.step
         gae_pass = cfg.advantage == "gae" and (updates > 1 or cfg.micro_batch_size is not None)
         recompute = gae_pass or (updates > 1 and (cfg.old_logprobs == "recompute"
                                                   or step_index % cfg.parity_check_every == 0))
-        with record_routing() as log:
-            if kept is not None:  # stale rollouts: the check runs on the kept generating version
-                recompute = True
+        if kept is not None:  # stale rollouts (one process): the check runs on the kept generating version
+            with record_routing() as log:
                 lp, raw = kept()
-            elif gae_pass:  # the old-log-prob pass, with the old values
-                lp, raw, values = (x.gather(1, step.index.to(x.device))
-                                   for x in self.backend.logprobs_raw_and_values(step.batch, cfg.sampling))
-                self.targets.from_values(values)
-            elif recompute:  # the old-log-prob pass: every sample at the generating version, before any update
-                lp, raw = (x.gather(1, step.index.to(x.device))
-                           for x in self.backend.logprobs_and_raw(step.batch, cfg.sampling))
-        if recompute:
             check(self.report, step, lp, raw, torch.arange(len(step)), per_sequence(log, step.batch.lens),
                   cfg.on_mismatch)
-        return recompute
+            return True
+        if not recompute:
+            return False
+        rows = torch.arange(len(step)).tensor_split(self.ranks)[self.rank]
+        batch = step.batch.select(rows) if self.ranks > 1 else step.batch
+        index = step.index[rows]
+        with record_routing() as log:
+            if gae_pass:  # the old-log-prob pass, with the old values
+                outs = self.backend.logprobs_raw_and_values(batch, cfg.sampling)
+            else:  # the old-log-prob pass: every sample at the generating version, before any update
+                outs = self.backend.logprobs_and_raw(batch, cfg.sampling)
+        scored = [x.gather(1, index.to(x.device)) for x in outs]
+        routing = per_sequence(log, batch.lens)
+        if self.ranks > 1:  # every rank's block, in rank order: the whole step's rows
+            blocks = self.backend.dp_all_gather(([x.cpu() for x in scored], routing))
+            scored = [torch.cat([b[0][i] for b in blocks]).to(x.device) for i, x in enumerate(scored)]
+            routing = [r for b in blocks for r in b[1]]
+        if gae_pass:
+            self.targets.from_values(scored[2])
+        check(self.report, step, scored[0], scored[1], torch.arange(len(step)), routing, cfg.on_mismatch)
+        return True
 
     def _loss_for(self, rows: torch.Tensor, minibatch: torch.Tensor) -> Callable[[torch.nn.Module], torch.Tensor]:
         """The clipped surrogate on the samples `rows` (+ `vf_coef` x the clipped value loss with GAE), one pass of
@@ -175,7 +187,7 @@ class Update:
         self.first_update.append((lp.detach(), raw.detach(), rows, routing))
         if sum(len(u[2]) for u in self.first_update) != minibatch_size // self.ranks:
             return
-        every = [u for part in self.backend.all_gather(self.first_update) for u in part] \
+        every = [u for part in self.backend.dp_all_gather(self.first_update) for u in part] \
             if self.ranks > 1 else self.first_update
         check(self.report, self.step, *(torch.cat([u[i] for u in every]) for i in (0, 1, 2)),
               [r for *_, routing in every for r in routing], self.cfg.on_mismatch)
