@@ -382,6 +382,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tokens of one sequence (default: the config's max_position_embeddings)",
     )
     p.add_argument("--kv-format", choices=sorted(KV_FORMATS), default="fp8", help="MLA cache format")
+    p.add_argument("--dp", type=positive_int, help="also the trainer's memory per rank at tp x ep over tp x dp ranks "
+                   "(fp32 masters, gradients and Adam moments, the moments split over DP: `zerokl ppo --nproc-per-node "
+                   "tp*dp --tp --ep`)")
     p.set_defaults(func=run)
 
 
@@ -392,8 +395,35 @@ def run(args: argparse.Namespace) -> int:
         result = plan(
             model_config, tp=args.tp, ep=args.ep, pp=args.pp, kv_format=args.kv_format, context_tokens=args.context
         )
+        training = None if args.dp is None else training_memory(model_config, args.tp, args.ep, args.pp, args.dp)
     except ConfigError as e:
         print(f"zerokl: error: {e}", file=sys.stderr)
         return 2
     print(format_plan(result, title=str(args.config)))
+    if training is not None:
+        print(format_training(training, args.tp, args.ep, args.dp))
     return 0
+
+
+def training_memory(model_config: ModelConfig, tp: int, ep: int, pp: int, dp: int) -> Any:
+    """The Megatron trainer's resident state per rank (`trainer.megatron.memory.RankMemory`) at tp x ep over tp x dp
+    ranks; ConfigError for a layout it cannot run."""
+    from trainer.megatron.memory import rank_memory
+
+    if pp > 1:
+        raise ConfigError(f"--dp: the trainer has no pipeline parallelism (pp = {pp}); drop --pp")
+    try:
+        return rank_memory(model_config.text, tp, ep, tp * dp)
+    except ValueError as e:
+        raise ConfigError(f"--dp: {e}") from None
+
+
+def format_training(m: Any, tp: int, ep: int, dp: int) -> str:
+    """The trainer's per-rank memory as report lines."""
+    return "\n".join([
+        f"trainer memory per rank: tp={tp} ep={ep} dp={dp} ({tp * dp} ranks; expert-DP {m.expert_dp}), fp32",
+        f"  parameters        {m.parameters:>16,}  {_bytes(4 * m.parameters)}  ({m.frozen:,} frozen)",
+        f"  gradients         {m.gradients:>16,}  {_bytes(4 * m.gradients)}",
+        f"  Adam moments      {m.adam:>16,}  {_bytes(4 * m.adam)}  (dense / {m.dp}, experts / {m.expert_dp})",
+        f"  total                               {_bytes(m.bytes)}  (activations not counted)",
+    ])

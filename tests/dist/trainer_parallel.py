@@ -20,6 +20,7 @@ from parity.config import ModelConfig
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
 from trainer.megatron.io import export_official, load_official_dir, save_official
+from trainer.megatron.memory import rank_memory
 from trainer.megatron.config import k3_transformer_config
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
 from trainer.megatron.modules import MegatronK3Model
@@ -141,6 +142,15 @@ def main() -> None:
     check(worst < 1e-4, f"{tag}: DDP-finalised, clipped gradients match the one-process ones (worst rel. {worst:.1e})")
     ref_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in ref_grads.values()))
     check(abs(grad_norm - ref_norm) < 1e-4 * ref_norm, f"{tag}: Megatron grad norm {grad_norm:.6f} = {ref_norm:.6f}")
+
+    mem = rank_memory(model_cfg.text, par.tp, par.ep, dist.get_world_size())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    moments = sum(s[k].numel() for part in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+                  for s in part.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    check((trainable, frozen, moments) == (mem.gradients, mem.frozen, mem.adam),
+          f"{tag}: this rank's parameters ({trainable:,} trained, {frozen:,} frozen) and Adam moments ({moments:,}) "
+          f"are the counts `zerokl plan --dp` prints ({mem})")
 
     params = model.official_parameters()
     stuck = [n for n, p in params.items() if ref_grads[n].any() and torch.equal(p, before[n])]

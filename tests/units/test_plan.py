@@ -99,7 +99,22 @@ def test_cli_prints_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "tp=2" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("overrides", [{"config": "/nonexistent/k3.yaml"}, {"tp": 3}])
+def test_cli_prints_the_trainers_memory_per_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --dp: one rank's fp32 masters, gradients and Adam moments at the layout (`trainer.megatron.memory`; the
+    parallel trainer test compares them with what a rank allocates). Doubling DP halves only the moments."""
+    args = _args(tp=2, ep=2, dp=1)
+    assert args.func(args) == 0
+    one = capsys.readouterr().out.split("trainer memory per rank: ")[1].splitlines()
+    args = _args(tp=2, ep=2, dp=2)
+    assert args.func(args) == 0
+    two = capsys.readouterr().out.split("trainer memory per rank: ")[1].splitlines()
+    counts = [[int(line.split()[1 if i < 2 else 2].replace(",", "")) for i, line in enumerate(lines[1:4])]
+              for lines in (one, two)]
+    assert counts[0][:2] == counts[1][:2] and counts[0][2] == 2 * counts[0][1] and counts[1][2] == counts[1][1]
+
+
+@pytest.mark.parametrize("overrides", [{"config": "/nonexistent/k3.yaml"}, {"tp": 3}, {"dp": 2, "pp": 2},
+                                       {"dp": 2, "ep": 3}])
 def test_cli_bad_input_is_one_line_exit_2(overrides: dict[str, object], capsys: pytest.CaptureFixture[str]) -> None:
     args = _args(**overrides)
     assert plan_mod.run(args) == 2
