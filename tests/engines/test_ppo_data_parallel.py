@@ -35,7 +35,7 @@ LAYOUTS = {"megatron": ("--nproc-per-node", "4", "--tp", "2", "--ep", "2"), "dee
 MINIBATCHES = {"megatron": 2, "deepspeed": 1}  # two: the old-log-prob pass runs, each DP rank scoring its block
 
 
-def _ppo(backend: str, *argv: str, layout: tuple[str, ...] = ("--nproc-per-node", "2")) -> str:
+def _ppo(backend: str, *argv: str, layout: tuple[str, ...]) -> str:
     res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", *argv, "--backend", backend, *layout],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -92,20 +92,21 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
         assert mem.dp == mem.expert_dp == 2 and all(abs(h - mem.adam) <= padding for h in held), (held, mem.adam)
 
 
-def test_lora_on_two_megatron_ranks_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
-    """`--lora` on two data-parallel Megatron ranks (`data_parallel: replicate`: both train on the whole batch; the
-    distributed optimizer shards the adapter's Adam state): KL 0 every step, and the run resumed from its step-1
-    checkpoint ends with the uninterrupted run's adapter bit for bit (the adapter's save is collective: every rank
-    takes part, rank 0 writes)."""
+def test_lora_at_tp2_ep2_dp2_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
+    """`--lora` on four Megatron ranks at TP 2 x EP 2 x DP 2 (`data_parallel: replicate`: both DP ranks train on the
+    whole batch; each TP rank holds its shard of the adapter; the distributed optimizer shards its Adam state over
+    DP): KL 0 every step, and the run resumed from its step-1 checkpoint (the adapter copied back into each rank's TP
+    shard) ends with the uninterrupted run's adapter bit for bit (the adapter's save is collective: every rank takes
+    part, rank 0 writes)."""
     from safetensors.torch import load_file
 
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
     config.write_text(config.read_text() + "data_parallel: replicate\n")
     run, resumed = tmp_path / "run", tmp_path / "resumed"
-    _ppo("megatron", "--config", str(config), "--out", str(run), "--lora")
+    _ppo("megatron", "--config", str(config), "--out", str(run), "--lora", layout=LAYOUTS["megatron"])
     assert all(m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 for m in _metrics(run))
     _ppo("megatron", "--config", str(config), "--out", str(resumed), "--lora", "--resume",
-         str(run / "checkpoints" / "step-1"))
+         str(run / "checkpoints" / "step-1"), layout=LAYOUTS["megatron"])
     assert {k: v for k, v in _metrics(resumed)[0].items() if k not in TIMING_KEYS} == \
         {k: v for k, v in _metrics(run)[1].items() if k not in TIMING_KEYS}
     want, got = ([load_file(p) for p in sorted((d / "checkpoints" / f"step-{STEPS}" / "adapter").glob("*.safetensors"))]

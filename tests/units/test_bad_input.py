@@ -100,7 +100,7 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"tp": "0"}, "tp must be >= 1, got 0"),
     ({"ep": "1.5"}, "ep must be an integer, got 1.5"),
     ({"tp": "2", "backend": "deepspeed"}, "tp: 2 and backend: deepspeed is not supported"),
-    ({"ep": "2", "lora": "true"}, "ep: 2 and lora: true is not supported"),
+    ({"ep": "2", "vision_tower": "trainable"}, "ep: 2 and vision_tower: trainable is not supported"),
     ({"tp": "2", "ep": "2", "advantage": "gae"}, "tp: 2 with ep: 2 and advantage: gae is not supported"),
     ({"top_p": "1.5"}, "top_p must be in (0, 1], got 1.5"),
     ({"top_k": "0"}, "top_k must be an integer >= 1, got 0"),

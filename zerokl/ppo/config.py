@@ -303,8 +303,8 @@ class PPOConfig:
             raise ConfigError(f"ppo config: lora_alpha must be > 0, got {self.lora_alpha}")
 
     def _check_model_parallel(self) -> None:
-        """tp and ep: at least 1; above 1 only where the trainer splits that way (the megatron backend, full weights
-        or a LoRA adapter on dense layers, a frozen vision tower, no value head) and EP only off the Triton kernels."""
+        """tp and ep: at least 1; above 1 only where the trainer runs that layout (the megatron backend, a frozen vision
+        tower, no value head) and EP only off the Triton kernels."""
         for name in ("tp", "ep"):
             _at_least(name, getattr(self, name), 1)
         split = [f"{name}: {getattr(self, name)}" for name in ("tp", "ep") if getattr(self, name) > 1]
@@ -316,9 +316,10 @@ class PPOConfig:
             f"kernels: {self.kernels}": (self.ep > 1 and runs_triton(self.kernels, platform_device()),
                                          "the Triton grouped expert op adds a token's expert products inside one call, "
                                          "which products formed on other ranks would not reproduce"),
-            "lora: true": (self.lora and self.ep > 1, "adapters on expert-parallel ranks are not built"),
-            "vision_tower: trainable": (self.vision_tower == "trainable", "the trained tower is not split over ranks"),
-            "advantage: gae": (self.advantage == "gae", "the value head is not split over ranks"),
+            "vision_tower: trainable": (self.vision_tower == "trainable", "training the tower on several model-parallel "
+                                        "ranks is not built"),
+            "advantage: gae": (self.advantage == "gae", "training the value head on several model-parallel ranks is "
+                               "not built"),
         }
         for what, (given, why) in refused.items():
             if given:
