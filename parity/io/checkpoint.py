@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -27,6 +27,9 @@ from parity.io.tokenizer import build_tokenizer
 from parity.io.vision import vision_specs
 
 INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32,
+                      "I64": torch.int64, "BOOL": torch.bool}  # a header's dtype names
 DTYPES = COMPUTE_DTYPES  # a checkpoint's torch_dtype is its compute dtype
 
 
@@ -192,46 +195,79 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tens
     K3 loader reads). Fails (`CheckpointError`, naming the file or tensor and what to do) on an unreadable or missing
     shard, an index and shards that disagree either way, a missing, unexpected, doubly stored or misshapen tensor,
     and a tensor holding NaN or inf."""
+    reader = open_checkpoint(path)
+    return reader.cfg, {name: reader.read(name) for name in reader.names}
+
+
+def open_checkpoint(path: str | Path) -> CheckpointReader:
+    """A model checkpoint directory opened without reading its tensors (`CheckpointReader`), checked as
+    `load_checkpoint` checks it but for the values, which are checked as they are read."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
     cfg = load_model_config(path)
-    weights = read_tensors(path, official_name)
-    check_tensors(path, weights, all_specs(cfg))
-    return cfg, weights
+    return CheckpointReader(path, all_specs(cfg), official_name, cfg)
 
 
-def read_tensors(path: Path, rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint directory `path` under `rename(stored name)`, from the shards its index lists
-    (or every *.safetensors without one); a name stored twice is an error."""
-    index = _read_index(path)
-    files = sorted(set(index.values())) if index is not None else sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} has no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for fname in files:
-        for stored, tensor in _read_shard(path, fname, index):
-            name = rename(stored)
-            if name in weights:
-                raise CheckpointError(f"{path}: {name} is stored twice (once as {stored})")
-            weights[name] = tensor
-    return weights
+class CheckpointReader:
+    """A checkpoint directory's tensors by name, from the headers of the shards its index lists (or of every
+    *.safetensors without one): exactly the `expected` tensors under `rename(stored name)`, each stored once and of its
+    shape; data read only when asked, whole or a contiguous part along one dim (a safetensors slice), and refused when
+    it holds NaN or inf. `bytes_read` counts the bytes read so far."""
 
+    def __init__(self, path: Path, expected: dict[str, WeightSpec], rename: Callable[[str], str],
+                 cfg: ModelConfig | None = None):
+        self.path, self.cfg, self.bytes_read = path, cfg, 0
+        index = _read_index(path)
+        files = sorted(set(index.values())) if index is not None else sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path} has no *.safetensors files")
+        self._where: dict[str, tuple[Any, str]] = {}
+        for fname in files:
+            shard, stored = _open_shard(path, fname, index)
+            for s in stored:
+                name = rename(s)
+                if name in self._where:
+                    raise CheckpointError(f"{path}: {name} is stored twice (once as {s})")
+                self._where[name] = (shard, s)
+        missing = sorted(set(expected) - set(self._where))
+        extra = sorted(set(self._where) - set(expected))
+        if missing:
+            raise CheckpointError(f"{path}: {len(missing)} tensors missing, first: {missing[0]}")
+        if extra:
+            raise CheckpointError(f"{path}: {len(extra)} unexpected tensors, first: {extra[0]}")
+        for name, spec in expected.items():
+            shape = self.shape(name)
+            if shape != spec.shape:
+                raise CheckpointError(f"{path}: {name} has shape {shape}, config says {spec.shape}")
+        self.names = list(self._where)  # in the order the shards store them
 
-def check_tensors(path: Path, weights: dict[str, torch.Tensor], expected: dict[str, WeightSpec]) -> None:
-    """Exactly the expected tensors, each of its shape and finite."""
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing:
-        raise CheckpointError(f"{path}: {len(missing)} tensors missing, first: {missing[0]}")
-    if extra:
-        raise CheckpointError(f"{path}: {len(extra)} unexpected tensors, first: {extra[0]}")
-    for name, spec in expected.items():
-        if tuple(weights[name].shape) != spec.shape:
-            raise CheckpointError(f"{path}: {name} has shape {tuple(weights[name].shape)}, config says {spec.shape}")
-        if weights[name].is_floating_point() and not bool(torch.isfinite(weights[name]).all()):
-            raise CheckpointError(f"{path}: {name} holds NaN or inf values; a checkpoint to roll out and train must be "
-                                  "finite")
+    def shape(self, name: str) -> tuple[int, ...]:
+        shard, stored = self._where[name]
+        return tuple(shard.get_slice(stored).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        shard, stored = self._where[name]
+        return SAFETENSORS_DTYPES[shard.get_slice(stored).get_dtype()]
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, length: int = 0) -> torch.Tensor:
+        """Tensor `name`, or its `length` entries from `start` along `dim`."""
+        from safetensors import SafetensorError
+
+        shard, stored = self._where[name]
+        try:
+            if dim is None:
+                t = shard.get_tensor(stored)
+            else:
+                t = shard.get_slice(stored)[(slice(None),) * dim + (slice(start, start + length),)]
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path}: {name} cannot be read, the shard is truncated or corrupt ({e})") \
+                from None
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{self.path}: {name} holds NaN or inf values; a checkpoint to roll out and train "
+                                  "must be finite")
+        self.bytes_read += t.numel() * t.element_size()
+        return t
 
 
 def _read_index(path: Path) -> dict[str, str] | None:
@@ -248,29 +284,29 @@ def _read_index(path: Path) -> dict[str, str] | None:
     return weight_map
 
 
-def _read_shard(path: Path, fname: str, index: dict[str, str] | None) -> list[tuple[str, torch.Tensor]]:
-    """Every (stored name, tensor) of one shard, which must exist, be readable and hold exactly the tensors the
-    index assigns to it."""
+def _open_shard(path: Path, fname: str, index: dict[str, str] | None) -> tuple[Any, list[str]]:
+    """One shard opened (its header read) and its stored names; it must exist, be readable and hold exactly the
+    tensors the index assigns to it."""
     from safetensors import SafetensorError
 
     file = path / fname
     if not file.is_file():
         raise CheckpointError(f"{file}: the index names this shard but it is not on disk (an incomplete copy?)")
     try:
-        with safe_open(str(file), framework="pt") as f:
-            stored = list(f.keys())
-            if index is not None:
-                listed = {n for n, shard in index.items() if shard == fname}
-                unlisted, absent = sorted(set(stored) - listed), sorted(listed - set(stored))
-                if unlisted:
-                    raise CheckpointError(f"{file}: holds {unlisted[0]} (and {len(unlisted) - 1} more), which the "
-                                          f"index {INDEX_FILE} does not list; the two disagree")
-                if absent:
-                    raise CheckpointError(f"{path / INDEX_FILE}: lists {absent[0]} (and {len(absent) - 1} more) in "
-                                          f"{fname}, which does not hold it; the two disagree")
-            return [(name, f.get_tensor(name)) for name in stored]
+        shard = safe_open(str(file), framework="pt")
+        stored = list(shard.keys())
     except SafetensorError as e:
         raise CheckpointError(f"{file}: not a readable safetensors file, truncated or corrupt ({e})") from None
+    if index is not None:
+        listed = {n for n, name in index.items() if name == fname}
+        unlisted, absent = sorted(set(stored) - listed), sorted(listed - set(stored))
+        if unlisted:
+            raise CheckpointError(f"{file}: holds {unlisted[0]} (and {len(unlisted) - 1} more), which the "
+                                  f"index {INDEX_FILE} does not list; the two disagree")
+        if absent:
+            raise CheckpointError(f"{path / INDEX_FILE}: lists {absent[0]} (and {len(absent) - 1} more) in "
+                                  f"{fname}, which does not hold it; the two disagree")
+    return shard, stored
 
 
 def init_checkpoint(config_path: str | Path, out: str | Path, seed: int, dtype: str | None = None,
@@ -327,6 +363,5 @@ def load_dspark_checkpoint(path: str | Path) -> tuple[DSparkConfig, dict[str, to
     if not (path / "config.json").exists():
         raise CheckpointError(f"{path} is not a checkpoint directory (no config.json)")
     cfg = parse_dspark_config(read_config(path), str(path / "config.json"))
-    weights = read_tensors(path, lambda name: name)
-    check_tensors(path, weights, dspark_specs(cfg))
-    return cfg, weights
+    reader = CheckpointReader(path, dspark_specs(cfg), lambda name: name)
+    return cfg, {name: reader.read(name) for name in reader.names}

@@ -19,7 +19,7 @@ import parity.kernels.linear as linear_kernel
 from parity.config import ModelConfig
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from trainer.megatron.io import export_official, load_official_dir, save_official
+from trainer.megatron.io import export_official, load_rank_shards, save_official
 from trainer.megatron.memory import rank_memory
 from trainer.megatron.config import k3_transformer_config
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
@@ -27,7 +27,7 @@ from trainer.megatron.modules import MegatronK3Model
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
 from trainer.megatron.sharding import Split, shard, split_roles
 from trainer.megatron.train import train_step, wrap
-from parity.io.checkpoint import load_checkpoint
+from parity.io.checkpoint import load_checkpoint, open_checkpoint
 
 TEMPERATURE = 0.7
 CLIP_GRAD = 1.0
@@ -107,7 +107,13 @@ def main() -> None:
     tag = f"TP={par.tp} EP={par.ep} DP={par.dp}"
     model_cfg, weights = load_checkpoint(args.checkpoint)
     model = MegatronK3Model(k3_transformer_config(model_cfg, par))
-    load_official_dir(model, args.checkpoint)
+    reader = open_checkpoint(args.checkpoint)
+    load_rank_shards(model, reader)
+    held = sum(p.numel() * reader.dtype(n).itemsize for n, p in model.official_parameters().items()) + \
+        sum(t.numel() * t.element_size() for t in model.passthrough.values())
+    stored = sum(t.numel() * t.element_size() for t in weights.values())
+    check(reader.bytes_read == held < stored,
+          f"{tag}: this rank read {reader.bytes_read:,} of the checkpoint's {stored:,} bytes: its own shard only")
 
     exported = export_official(model)
     check(exported.keys() == weights.keys() and all(

@@ -14,6 +14,7 @@ bitwise (fp32 both ways).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,8 +28,9 @@ from lora.state import write_shard
 from lora.targets import tensor_name
 from trainer.megatron.modules import MegatronK3Model, local_experts
 from trainer.megatron.sharding import Split, lora_splits, shard, split_of, split_roles
-from parity.io.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from parity.weights import is_mtp, master_weights
+from parity.io.checkpoint import CheckpointError, CheckpointReader, open_checkpoint, save_checkpoint
+from parity.quant import mxfp4
+from parity.weights import is_mtp, is_quantized, packed_names
 
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
 
@@ -49,35 +51,74 @@ def load_official(model: MegatronK3Model, weights: dict[str, torch.Tensor]) -> l
     if extra:
         raise CheckpointError(f"{len(extra)} unexpected text tensors, first: {extra[0]}")
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    loaded = []
-    with torch.no_grad():
-        for name, param in model.official_parameters().items():
-            part = shard(name, weights[name], roles[name], tp_rank, tp)
-            if part.shape != param.shape:
-                raise CheckpointError(f"{name}: shard {tuple(part.shape)} does not fit parameter {tuple(param.shape)}")
-            param.copy_(part)
-            loaded.append(name)
-        for name, param in model.vision_parameters().items():
-            if name not in weights:
-                raise CheckpointError(f"vision tensor {name} missing")
-            if weights[name].shape != param.shape:
-                raise CheckpointError(f"{name}: {tuple(weights[name].shape)} does not fit parameter "
-                                      f"{tuple(param.shape)}")
-            param.copy_(weights[name])
-            loaded.append(name)
-    unplaced = sorted(n for n in set(roles) - set(loaded) if roles[n] is not Split.EXPERT)  # experts: other EP ranks
-    if unplaced:
-        raise CheckpointError(f"model has no parameter for {unplaced[0]}")
+
+    def whole(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise CheckpointError(f"vision tensor {name} missing")
+        return weights[name]
+
+    loaded = _fill(model, roles, lambda name: shard(name, weights[name], roles[name], tp_rank, tp), whole)
     vision = model.vision_parameters()
     model.storage_dtypes = {n: weights[n].dtype for n in [*roles, *vision]}
     model.passthrough = {n: t for n, t in weights.items() if n not in roles and n not in vision}
     return loaded
 
 
+def load_rank_shards(model: MegatronK3Model, reader: CheckpointReader) -> list[str]:
+    """`load_official` reading from an opened checkpoint (`parity.io.checkpoint.open_checkpoint`, which checked its
+    names and shapes) only what this rank holds: its TP slice of each split text tensor, the routed experts of its EP
+    rank (MXFP4 ones dequantised to fp32 masters), every other tensor whole."""
+    cfg = model.config.k3.text
+    roles = split_roles(cfg)
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+    def part(name: str) -> torch.Tensor:
+        if is_quantized(cfg, name):
+            return mxfp4.dequantize(*(reader.read(n) for n in packed_names(name)), torch.float32)
+        dim = roles[name].tp_dim
+        if dim is None:
+            return reader.read(name)
+        size = reader.shape(name)[dim]
+        if size % tp:
+            raise CheckpointError(f"{name}: dim {dim} of size {size} is not divisible by TP = {tp}")
+        return reader.read(name, dim, tp_rank * (size // tp), size // tp)
+
+    loaded = _fill(model, roles, part, reader.read)
+    vision = model.vision_parameters()
+    model.storage_dtypes = {n: torch.float32 if is_quantized(cfg, n) else reader.dtype(n) for n in [*roles, *vision]}
+    stored_text = {s for n in roles for s in (packed_names(n) if is_quantized(cfg, n) else (n,))}
+    model.passthrough = {n: reader.read(n) for n in reader.names if n not in stored_text and n not in vision}
+    return loaded
+
+
+def _fill(model: MegatronK3Model, roles: dict[str, Split], part: Callable[[str], torch.Tensor],
+          whole: Callable[[str], torch.Tensor]) -> list[str]:
+    """Copy `part(name)` (this rank's shard) into each text parameter and `whole(name)` into each trained vision
+    parameter; the names loaded. Fails on a shard that does not fit, or a text tensor with no parameter here (other
+    EP ranks' experts aside)."""
+    loaded = []
+    with torch.no_grad():
+        for name, param in model.official_parameters().items():
+            piece = part(name)
+            if piece.shape != param.shape:
+                raise CheckpointError(f"{name}: shard {tuple(piece.shape)} does not fit parameter {tuple(param.shape)}")
+            param.copy_(piece)
+            loaded.append(name)
+        for name, param in model.vision_parameters().items():
+            tensor = whole(name)
+            if tensor.shape != param.shape:
+                raise CheckpointError(f"{name}: {tuple(tensor.shape)} does not fit parameter {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.append(name)
+    unplaced = sorted(n for n in set(roles) - set(loaded) if roles[n] is not Split.EXPERT)  # experts: other EP ranks
+    if unplaced:
+        raise CheckpointError(f"model has no parameter for {unplaced[0]}")
+    return loaded
+
+
 def load_official_dir(model: MegatronK3Model, path: str | Path) -> list[str]:
-    """`load_official` from a checkpoint directory (`parity.io.checkpoint.load_checkpoint` validates it)."""
-    cfg, weights = load_checkpoint(path)
-    return load_official(model, master_weights(cfg.text, weights))
+    """`load_rank_shards` from a checkpoint directory (`parity.io.checkpoint.open_checkpoint` validates it)."""
+    return load_rank_shards(model, open_checkpoint(path))
 
 
 def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

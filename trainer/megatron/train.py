@@ -21,12 +21,11 @@ from megatron.core.optimizer import (MegatronOptimizer, OptimizerConfig, ParamKe
 from lora.adapter import Adapter
 from parity.config import ModelConfig
 from parity.image import ImageProcessing
-from trainer.megatron.io import load_adapter, load_official
+from trainer.megatron.io import load_adapter, load_official, load_rank_shards
 from trainer.megatron.config import k3_transformer_config
 from trainer.megatron.modules import VALUE_HEAD_PREFIX, MegatronK3Model
 from trainer.megatron.parallel import ParallelContext
-from parity.io.checkpoint import load_checkpoint
-from parity.weights import master_weights
+from parity.io.checkpoint import CheckpointReader, open_checkpoint
 
 
 @dataclass
@@ -38,17 +37,21 @@ class Trainer:
     optimizer: MegatronOptimizer
 
 
-def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor], par: ParallelContext,
+def build_model(model_cfg: ModelConfig, weights: dict[str, torch.Tensor] | CheckpointReader, par: ParallelContext,
                 kernels: str = "invariant", params_dtype: torch.dtype = torch.float32,
                 adapter: Adapter | None = None, vision_grid_side: int | None = None) -> MegatronK3Model:
-    """A `MegatronK3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names), and of
+    """A `MegatronK3Model` at `par`'s TP/EP sizes holding this rank's shard of `weights` (official names, fp32
+    masters; or an opened checkpoint, from which only this rank's shard is read: `load_rank_shards`), and of
     `adapter` when given (then every base parameter is frozen); with `vision_grid_side` (the preprocessor's side
     limit) it trains the vision tower too (`MegatronK3Model.add_vision_tower`)."""
     with torch.device(par.device):
         model = MegatronK3Model(k3_transformer_config(model_cfg, par, kernels, params_dtype))
     if vision_grid_side is not None:
         model.add_vision_tower(vision_grid_side)
-    load_official(model, weights)
+    if isinstance(weights, CheckpointReader):
+        load_rank_shards(model, weights)
+    else:
+        load_official(model, weights)
     if adapter is not None:
         load_adapter(model, adapter)
     return model
@@ -62,10 +65,9 @@ def build_trainer(checkpoint: str | Path, par: ParallelContext, lr: float, clip_
     train the vision tower with the text model when `train_vision`, wrap the model in Megatron's DDP (fp32 grads) and
     build Megatron's Adam over the trainable parameters: with several data-parallel ranks its distributed optimizer
     (`wrap`'s `shard_optimizer`)."""
-    model_cfg, weights = load_checkpoint(checkpoint)
-    masters = master_weights(model_cfg.text, weights)  # MXFP4 experts dequantised to fp32 masters (exact)
+    reader = open_checkpoint(checkpoint)  # each rank reads its own shard (MXFP4 experts dequantised, exact)
     side = ImageProcessing.from_checkpoint(checkpoint).side_limit if train_vision else None
-    module = build_model(model_cfg, masters, par, kernels, adapter=adapter, vision_grid_side=side)
+    module = build_model(reader.cfg, reader, par, kernels, adapter=adapter, vision_grid_side=side)
     if value_head_lr is not None:
         module.add_value_head()
     return wrap(module, lr, clip_grad, weight_decay, value_head_lr, shard_optimizer=par.dp > 1)
