@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 import torch.distributed as dist
 from megatron.core import parallel_state
 
