@@ -27,7 +27,7 @@ from lora.adapter import save_adapter as write_adapter
 from lora.state import write_shard
 from lora.targets import tensor_name
 from trainer.megatron.modules import MegatronK3Model, local_experts
-from trainer.megatron.sharding import Split, lora_splits, shard, split_of, split_roles
+from trainer.megatron.sharding import Split, lora_splits, shard, shard_range, split_of, split_roles
 from parity.io.checkpoint import CheckpointError, CheckpointReader, open_checkpoint, save_checkpoint
 from parity.quant import mxfp4
 from parity.weights import is_mtp, is_quantized, packed_names
@@ -75,13 +75,11 @@ def load_rank_shards(model: MegatronK3Model, reader: CheckpointReader) -> list[s
     def part(name: str) -> torch.Tensor:
         if is_quantized(cfg, name):
             return mxfp4.dequantize(*(reader.read(n) for n in packed_names(name)), torch.float32)
-        dim = roles[name].tp_dim
-        if dim is None:
-            return reader.read(name)
-        size = reader.shape(name)[dim]
-        if size % tp:
-            raise CheckpointError(f"{name}: dim {dim} of size {size} is not divisible by TP = {tp}")
-        return reader.read(name, dim, tp_rank * (size // tp), size // tp)
+        try:
+            part = shard_range(name, reader.shape(name), roles[name], tp_rank, tp)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        return reader.read(name) if part is None else reader.read(name, *part)
 
     loaded = _fill(model, roles, part, reader.read)
     vision = model.vision_parameters()

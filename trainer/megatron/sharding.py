@@ -185,10 +185,17 @@ def check_divisible(cfg: TextConfig, tp: int, ep: int, segmented: bool = True) -
 
 def shard(name: str, full: torch.Tensor, split: Split, tp_rank: int, tp: int) -> torch.Tensor:
     """This TP rank's part of `full` (a view; whole tensor when `split` is not TP-split)."""
+    part = shard_range(name, tuple(full.shape), split, tp_rank, tp)
+    return full if part is None else full.narrow(*part)
+
+
+def shard_range(name: str, shape: tuple[int, ...], split: Split, tp_rank: int, tp: int) -> tuple[int, int, int] | None:
+    """(dim, start, length) of this TP rank's part of a tensor of `shape`, or None when `split` is not TP-split;
+    ValueError when TP does not divide the split dim."""
     dim = split.tp_dim
     if dim is None:
-        return full
-    size = full.shape[dim]
+        return None
+    size = shape[dim]
     if size % tp:
         raise ValueError(f"{name}: dim {dim} of size {size} is not divisible by TP = {tp}")
-    return full.narrow(dim, tp_rank * (size // tp), size // tp)
+    return dim, tp_rank * (size // tp), size // tp
