@@ -81,12 +81,13 @@ def test_child_engine_and_trainer_bitwise_with_prefix_hits(micro: Path) -> None:
         alone = {s.id: s for s in res.rollout if s.id.startswith("alone-")}
         warm = checker.engine.generate(prompts[2:], max_tokens=4, seed=[2, 3])  # the alone runs' seeds (seed 0)
         assert all(w.cached_tokens >= 80 and w.cached_tokens % 64 for w in warm), [w.cached_tokens for w in warm]
-        for i, (w, lp) in enumerate(zip(warm, checker.score(warm, 1.0)), start=2):
-            assert w.completion_ids == alone[f"alone-{i}"].token_ids
-            assert torch.equal(w.logprobs, alone[f"alone-{i}"].logprobs) and torch.equal(w.logprobs, lp)
         batch = PaddedBatch.from_sequences([w.prompt_ids + w.completion_ids for w in warm])
-        assert torch.equal(TensorParallelScorer(micro, 2, "triton", None).logprobs(batch, 1.0),
-                           checker.backend.logprobs(batch, 1.0))
+        scored = checker.backend.logprobs(batch, 1.0)  # every position: the TP ranks' rows are compared whole below
+        for i, w in enumerate(warm):
+            lp = scored[i, len(w.prompt_ids) - 1: len(w.prompt_ids) - 1 + len(w.completion_ids)]
+            assert w.completion_ids == alone[f"alone-{i + 2}"].token_ids
+            assert torch.equal(w.logprobs, alone[f"alone-{i + 2}"].logprobs) and torch.equal(w.logprobs, lp)
+        assert torch.equal(TensorParallelScorer(micro, 2, "triton", None).logprobs(batch, 1.0), scored)
     finally:
         checker.close()
     from trainer.megatron.config import k3_transformer_config

@@ -304,7 +304,7 @@ class PPOConfig:
 
     def _check_model_parallel(self) -> None:
         """tp and ep: at least 1; above 1 only where the trainer runs that layout (the megatron backend, a frozen vision
-        tower, no value head) and EP only off the Triton kernels."""
+        tower) and EP only off the Triton kernels."""
         for name in ("tp", "ep"):
             _at_least(name, getattr(self, name), 1)
         split = [f"{name}: {getattr(self, name)}" for name in ("tp", "ep") if getattr(self, name) > 1]
@@ -318,8 +318,6 @@ class PPOConfig:
                                          "which products formed on other ranks would not reproduce"),
             "vision_tower: trainable": (self.vision_tower == "trainable", "training the tower on several model-parallel "
                                         "ranks is not built"),
-            "advantage: gae": (self.advantage == "gae", "training the value head on several model-parallel ranks is "
-                               "not built"),
         }
         for what, (given, why) in refused.items():
             if given:
