@@ -1,7 +1,8 @@
 """Training past one rank: `zerokl ppo` on k3-tiny-mxfp4 over two data-parallel ranks, each training on its own half
 of every step's samples (`data_parallel: shard`, the default) - on Megatron at TP 2 x EP 2 x DP 2 (four processes:
 each TP pair holds half of every dense layer's heads and columns, each EP pair half of the routed experts, Megatron's
-distributed optimizer over the DP pair), and on DeepSpeed's ZeRO-3 over two processes. The metrics show both halves
+distributed optimizer over the DP pair; on image prompts, with GAE's value head and the vision tower, both
+replicated on every rank, training with them), and on DeepSpeed's ZeRO-3 over two processes. The metrics show both halves
 (their sample and token counts and their mean rewards, which differ); every sampled log-prob, raw log-prob and expert
 choice of both halves is checked bit for bit against the one-process rollout engine; and the run is deterministic:
 resumed from its step-1 checkpoint on fresh processes, step 1's metrics and the final weights are bitwise the
@@ -21,6 +22,9 @@ import torch
 
 from helpers import PPO_REFERENCE_CONFIG, ppo_config_file
 from parity.config import load_model_config
+from parity.io.checkpoint import load_checkpoint
+from parity.io.vision import vision_specs
+from trainer.megatron.backend import VALUE_HEAD_FILE
 from trainer.megatron.memory import rank_memory
 from zerokl.cli import main
 from zerokl.ppo.metrics import TIMING_KEYS
@@ -33,6 +37,12 @@ STEPS = 2
 
 LAYOUTS = {"megatron": ("--nproc-per-node", "4", "--tp", "2", "--ep", "2"), "deepspeed": ("--nproc-per-node", "2")}
 MINIBATCHES = {"megatron": 2, "deepspeed": 1}  # two: the old-log-prob pass runs, each DP rank scoring its block
+# what the Megatron run trains at TP x EP besides the text model: GAE's value head (the old pass gathers its values
+# too) and the vision tower, on image prompts
+MODEL_PARALLEL_KEYS = {
+    "megatron": {"advantage": "gae", "task": "squares", "task_args": "{max_count: 4}", "vision_tower": "trainable"},
+    "deepspeed": {},
+}
 
 
 def _ppo(backend: str, *argv: str, layout: tuple[str, ...]) -> str:
@@ -50,7 +60,7 @@ def _metrics(out: Path) -> list[dict]:
 def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3_tiny_mxfp4: Path, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1,
-                             num_minibatches=MINIBATCHES[backend])
+                             num_minibatches=MINIBATCHES[backend], **MODEL_PARALLEL_KEYS[backend])
     run, resumed = tmp_path / "run", tmp_path / "resumed"
     layout = LAYOUTS[backend]
     out = _ppo(backend, "--config", str(config), "--out", str(run), layout=layout)
@@ -76,6 +86,13 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
     want = torch.load(run / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     got = torch.load(resumed / "checkpoints" / f"step-{STEPS}" / "weights.pt")
     assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+    if backend == "megatron":  # the value head (zero at start) and the tower trained; both resumed bit for bit
+        assert all(m["value_loss"] > 0 for m in metrics)
+        heads = [torch.load(d / "checkpoints" / f"step-{STEPS}" / VALUE_HEAD_FILE) for d in (run, resumed)]
+        assert heads[0].abs().sum() > 0 and torch.equal(*heads)
+        base = load_checkpoint(k3_tiny_mxfp4)[1]
+        tower = [n for n in base if n.startswith(("vision_tower.", "mm_projector."))]
+        assert tower and all(not torch.equal(want[n].to(base[n].dtype), base[n]) for n in tower)
     capsys.readouterr()  # resumed on one process: refused before anything starts
     assert main(["ppo", "--config", str(config), "--out", str(tmp_path / "bad"), "--backend", backend,
                  "--resume", str(run / "checkpoints" / "step-1")]) == 2
@@ -83,8 +100,10 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
     said = "at tp: 2" if backend == "megatron" else "on 2 processes"
     assert said in err and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "bad").exists()
-    if backend == "megatron":  # ZeRO-1: each rank holds the Adam moments `zerokl plan --dp` counts (about 1/DP)
-        mem = rank_memory(load_model_config(k3_tiny_mxfp4).text, tp=2, ep=2, world=4)
+    if backend == "megatron":  # ZeRO-1: each rank holds the Adam moments `rank_memory` counts (about 1/DP)
+        cfg = load_model_config(k3_tiny_mxfp4)
+        tower = sum(math.prod(s.shape) for s in vision_specs(cfg.vision, cfg.text.hidden_size).values())
+        mem = rank_memory(cfg.text, tp=2, ep=2, world=4, replicated=tower + cfg.text.hidden_size + 1)  # + value head
         shards = [torch.load(run / "checkpoints" / "step-1" / f"optimizer-rank{r}.pt") for r in range(4)]
         held = [sum(s[k].numel() for part in shard for s in part["state"].values() for k in ("exp_avg", "exp_avg_sq"))
                 for shard in shards]

@@ -8,8 +8,9 @@ trainable ones: with several data-parallel ranks (DP = world / TP > 1, `build_tr
 Megatron's distributed optimizer gives each DP rank about 1/DP of the dense parameters' moments and each expert-DP
 rank (world / EP of them: experts are never TP-split, so TP peers are expert-DP peers) about 1 / (world / EP) of the
 experts'; with DP = 1 every rank keeps the moments of all its parameters.
-Not counted: activations, communication buffers, the buckets' padding (at most lcm(DP, 128) elements a bucket), a
-value head, LoRA and the vision tower (none trains at TP or EP > 1 in `zerokl ppo`).
+Tensors trained whole on every rank beside the text model (a trained vision tower, GAE's value head) count as dense
+(`replicated`). Not counted: activations, communication buffers, the buckets' padding (at most lcm(DP, 128) elements a
+bucket), LoRA.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ class RankMemory:
         return FP32_BYTES * (self.parameters + self.gradients + self.adam)
 
 
-def rank_memory(cfg: TextConfig, tp: int, ep: int, world: int) -> RankMemory:
-    """One rank's `RankMemory` at `tp` x `ep` over `world` ranks; ValueError for a layout the trainer refuses."""
+def rank_memory(cfg: TextConfig, tp: int, ep: int, world: int, replicated: int = 0) -> RankMemory:
+    """One rank's `RankMemory` at `tp` x `ep` over `world` ranks, with `replicated` more trainable elements held whole
+    on every rank; ValueError for a layout the trainer refuses."""
     if world % tp or world % ep:
         raise ValueError(f"tp = {tp} and ep = {ep} must divide the {world} ranks")
     check_divisible(cfg, tp, ep)
     specs = text_specs(cfg)
-    counts = {"dense": 0, "experts": 0, "frozen": 0}
+    counts = {"dense": replicated, "experts": 0, "frozen": 0}
     for name, split in split_roles(cfg).items():
         n = math.prod(specs[name].shape)
         if split is Split.EXPERT:

@@ -303,8 +303,7 @@ class PPOConfig:
             raise ConfigError(f"ppo config: lora_alpha must be > 0, got {self.lora_alpha}")
 
     def _check_model_parallel(self) -> None:
-        """tp and ep: at least 1; above 1 only where the trainer runs that layout (the megatron backend, a frozen vision
-        tower) and EP only off the Triton kernels."""
+        """tp and ep: at least 1; above 1 only on the megatron backend, and EP only off the Triton kernels."""
         for name in ("tp", "ep"):
             _at_least(name, getattr(self, name), 1)
         split = [f"{name}: {getattr(self, name)}" for name in ("tp", "ep") if getattr(self, name) > 1]
@@ -316,8 +315,6 @@ class PPOConfig:
             f"kernels: {self.kernels}": (self.ep > 1 and runs_triton(self.kernels, platform_device()),
                                          "the Triton grouped expert op adds a token's expert products inside one call, "
                                          "which products formed on other ranks would not reproduce"),
-            "vision_tower: trainable": (self.vision_tower == "trainable", "training the tower on several model-parallel "
-                                        "ranks is not built"),
         }
         for what, (given, why) in refused.items():
             if given:
