@@ -111,9 +111,9 @@ class TrainerBackend(ABC):
         return {n: t for n, t in self.export_official().items() if n in text}
 
     def save_state(self, path: str | Path) -> Path:
-        """Everything the next `train_step` depends on, into directory `path`: `weights.pt` (`export_official`) or,
-        with an adapter, `adapter/` (PEFT directory; the base is the checkpoint's), written by rank 0, plus the
-        optimizer state. `load_state` on a backend built the same way continues bit for bit."""
+        """Everything the next `train_step` depends on, into directory `path`: the weights (`_save_weights`) or, with
+        an adapter, `adapter/` (PEFT directory, written by rank 0; the base is the checkpoint's), plus the optimizer
+        state. `load_state` on a backend built the same way continues bit for bit."""
         path = Path(path)
         if self.rank == 0:
             path.mkdir(parents=True, exist_ok=True)
@@ -121,9 +121,7 @@ class TrainerBackend(ABC):
         if self.has_adapter:
             self._save_adapter(path / ADAPTER_DIR)
         else:
-            weights = self.export_official()
-            if self.rank == 0:
-                torch.save({n: t.clone() for n, t in weights.items()}, path / WEIGHTS_FILE)
+            self._save_weights(path)
         self._save_optimizer(path)
         self.barrier()
         return path
@@ -136,6 +134,12 @@ class TrainerBackend(ABC):
     @abstractmethod
     def _save_adapter(self, out: Path) -> None:
         """The trained adapter as a PEFT directory `out`, from rank 0."""
+
+    def _save_weights(self, path: Path) -> None:
+        """The weights `load_state` reads: WEIGHTS_FILE from rank 0 (collective: `export_official` gathers them)."""
+        weights = self.export_official()
+        if self.rank == 0:
+            torch.save({n: t.clone() for n, t in weights.items()}, path / WEIGHTS_FILE)
 
     @abstractmethod
     def _save_optimizer(self, path: Path) -> None:

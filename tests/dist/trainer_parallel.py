@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 import math
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 import parity.kernels.linear as linear_kernel
 from parity.config import ModelConfig
 from parity.kernels import INVARIANT
 from parity.model import K3Forward, K3Weights, score_sequences
-from trainer.megatron.io import export_official, load_rank_shards, save_official
+from trainer.megatron.io import (export_official, load_rank_shards, load_rank_weights, save_official,
+                                 save_rank_weights)
 from trainer.megatron.memory import rank_memory
 from trainer.megatron.config import k3_transformer_config
 from trainer.logprobs import PackedBatch, PaddedBatch, token_logprobs
@@ -171,6 +174,22 @@ def main() -> None:
     if dist.get_rank() == 0:
         _, written = load_checkpoint(path)
         check(all(torch.equal(written[n], changed[n]) for n in changed), f"{tag}: saved checkpoint reloads bit for bit")
+
+    state = Path(f"{args.out}-rank-weights")  # a state saved on several processes: each rank's part, nothing gathered
+    if dist.get_rank() == 0:
+        state.mkdir()
+    dist.barrier()
+    save_rank_weights(model, state)
+    dist.barrier()
+    trained = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    load_rank_weights(model, state)
+    stored = sum(t.numel() for f in state.iterdir() for t in load_file(f).values())
+    check(all(torch.equal(p, trained[n]) for n, p in params.items()) and
+          stored == sum(t.numel() for t in changed.values()),
+          f"{tag}: each rank's saved part reloads bit for bit, every tensor stored once over the ranks ({stored:,})")
     destroy_parallel(par)
 
 

@@ -15,17 +15,21 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from helpers import PPO_REFERENCE_CONFIG, ppo_config_file
 from parity.config import load_model_config
 from parity.io.checkpoint import load_checkpoint
 from parity.io.vision import vision_specs
+from trainer.base import WEIGHTS_FILE
 from trainer.megatron.backend import VALUE_HEAD_FILE
 from trainer.megatron.memory import rank_memory
+from trainer.megatron.sharding import split_roles
 from zerokl.cli import main
 from zerokl.ppo.metrics import TIMING_KEYS
 
@@ -50,6 +54,15 @@ def _ppo(backend: str, *argv: str, layout: tuple[str, ...]) -> str:
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
+
+
+def _saved_weights(state: Path) -> dict:
+    """A saved state's weights: by name from WEIGHTS_FILE (one process, or DeepSpeed's rank 0), else by (rank, name)
+    from the Megatron ranks' own files."""
+    if (state / WEIGHTS_FILE).is_file():
+        return torch.load(state / WEIGHTS_FILE)
+    return {(int(f.name.split("rank")[1].split(".")[0]), name): t for f in state.glob("weights-rank*.safetensors")
+            for name, t in load_file(f).items()}
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -83,10 +96,14 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
     assert [m["step"] for m in again] == [1]
     assert {k: v for k, v in again[0].items() if k not in TIMING_KEYS} == \
         {k: v for k, v in metrics[1].items() if k not in TIMING_KEYS}
-    want = torch.load(run / "checkpoints" / f"step-{STEPS}" / "weights.pt")
-    got = torch.load(resumed / "checkpoints" / f"step-{STEPS}" / "weights.pt")
-    assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+    want, got = (_saved_weights(d / "checkpoints" / f"step-{STEPS}") for d in (run, resumed))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], t) for k, t in want.items())
     if backend == "megatron":  # the value head (zero at start) and the tower trained; both resumed bit for bit
+        held = Counter(name for _, name in want)  # each rank wrote its part, every tensor once (TP slices once each)
+        roles = split_roles(load_model_config(k3_tiny_mxfp4).text)
+        assert all(held[n] == (2 if roles[n].tp_dim is not None else 1) for n in roles) and all(
+            c == 1 for n, c in held.items() if n not in roles), held
+        want = {name: t for (_, name), t in want.items()}
         assert all(m["value_loss"] > 0 for m in metrics)
         heads = [torch.load(d / "checkpoints" / f"step-{STEPS}" / VALUE_HEAD_FILE) for d in (run, resumed)]
         assert heads[0].abs().sum() > 0 and torch.equal(*heads)

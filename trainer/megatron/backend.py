@@ -15,7 +15,8 @@ from megatron.core import parallel_state
 
 from lora.adapter import Adapter, load_adapter
 from trainer.base import ADAPTER_DIR, WEIGHTS_FILE, LossFn, T, TrainerBackend
-from trainer.megatron.io import copy_adapter, export_adapter, export_official, load_official, save_adapter
+from trainer.megatron.io import (copy_adapter, export_adapter, export_official, load_official, load_rank_weights,
+                                 save_adapter, save_rank_weights)
 from trainer.megatron.parallel import destroy_parallel, init_parallel
 from trainer.megatron.train import build_trainer, train_step
 
@@ -27,9 +28,10 @@ VALUE_HEAD_FILE = "value_head.pt"  # in a saved state with a value head: its [1,
 class MegatronBackend(TrainerBackend):
     """`trainer.megatron.train.build_trainer` at `tp` x `ep` over the ranks of the run (DP = world size / tp), with a
     value head (GAE's critic) when `value_head_lr` is given: trained in the same optimizer step at its own learning
-    rate, saved and restored with the state, never exported. Rank 0 writes the weights (gathered from the shards);
-    on several processes every rank writes its own Adam state (SHARD_FILE), so a saved state resumes on the same
-    layout."""
+    rate, saved and restored with the state, never exported. On one process the state is WEIGHTS_FILE and
+    OPTIMIZER_FILE; on several every rank writes its part of the weights with nothing gathered
+    (`trainer.megatron.io.save_rank_weights`) and its own Adam state (SHARD_FILE), and reads back only its own, so a
+    saved state resumes on the same layout."""
 
     name = "megatron"
 
@@ -79,6 +81,12 @@ class MegatronBackend(TrainerBackend):
             torch.save(head.weight.detach().clone(), path / VALUE_HEAD_FILE)
         return path
 
+    def _save_weights(self, path: Path) -> None:
+        if self.world_size > 1:
+            save_rank_weights(self.trainer.module, path)
+        else:
+            super()._save_weights(path)
+
     def _save_optimizer(self, path: Path) -> None:
         if self.world_size > 1:
             torch.save([part.optimizer.state_dict() for part in self._optimizers()],
@@ -102,6 +110,8 @@ class MegatronBackend(TrainerBackend):
                                     f"(this run has {self.world_size})")
         if self.has_adapter:
             copy_adapter(self.trainer.module, load_adapter(path / ADAPTER_DIR, self.model_cfg.text))
+        elif self.world_size > 1:
+            load_rank_weights(self.trainer.module, path)
         else:
             load_official(self.trainer.module, torch.load(path / WEIGHTS_FILE))
         head = self.trainer.module.value_head

@@ -13,13 +13,17 @@ bitwise (fp32 both ways).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from lora.adapter import Adapter, validate
 from lora.spec import AdapterError
@@ -112,6 +116,73 @@ def _fill(model: MegatronK3Model, roles: dict[str, Split], part: Callable[[str],
     if unplaced:
         raise CheckpointError(f"model has no parameter for {unplaced[0]}")
     return loaded
+
+
+RANK_WEIGHTS_FILE = "weights-rank{rank}.safetensors"  # in a state saved on several processes: what rank r writes
+_LAYOUT_KEYS = ("tp", "tp_rank", "ep", "ep_rank")  # each rank file's metadata
+
+
+def save_rank_weights(model: MegatronK3Model, path: str | Path) -> Path:
+    """This rank's part of a saved state on several processes, with no communication: every tensor exactly once over
+    the ranks' files (RANK_WEIGHTS_FILE, rank r's file always written, possibly with no tensor), each as its holder keeps
+    it - a TP-split tensor's slice from the DP rank 0 of each TP rank, routed experts from expert-DP rank 0 of each EP
+    rank, the tensors every rank holds whole (the rest of the text model, a trained vision tower, the frozen tensors
+    kept for export) from the rank at TP rank 0 and DP rank 0. The file's metadata names its TP and EP ranks."""
+    roles = split_roles(model.config.k3.text)
+    tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    expert_dp_rank = parallel_state.get_expert_data_parallel_rank()
+    whole_here = tp_rank == 0 and dp_rank == 0
+
+    def writes(split: Split) -> bool:
+        if split is Split.EXPERT:
+            return expert_dp_rank == 0
+        return dp_rank == 0 if split.tp_dim is not None else whole_here
+
+    mine = {n: p.detach() for n, p in model.official_parameters().items() if writes(roles[n])}
+    if whole_here:
+        mine.update({n: p.detach() for n, p in model.vision_parameters().items()})
+        mine.update(model.passthrough)
+    layout = {"tp": parallel_state.get_tensor_model_parallel_world_size(), "tp_rank": tp_rank,
+              "ep": parallel_state.get_expert_model_parallel_world_size(),
+              "ep_rank": parallel_state.get_expert_model_parallel_rank()}
+    out = Path(path) / RANK_WEIGHTS_FILE.format(rank=dist.get_rank())
+    save_file({n: t.contiguous() for n, t in mine.items()}, str(out), metadata={k: str(v) for k, v in layout.items()})
+    return out
+
+
+def load_rank_weights(model: MegatronK3Model, path: str | Path) -> list[str]:
+    """Restore `save_rank_weights` at the layout that wrote it: each rank reads only its own TP slices, its EP rank's
+    experts and the whole tensors it trains (safetensors reads by name, from every rank file's header; the frozen
+    tensors stay as the build loaded them). CheckpointError for files of another process count or layout, or a tensor
+    missing or shaped differently."""
+    path = Path(path)
+    world = dist.get_world_size()
+    files = [path / RANK_WEIGHTS_FILE.format(rank=r) for r in range(world)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: no {missing[0]} - not a state saved by {world} Megatron processes")
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    here = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "ep": parallel_state.get_expert_model_parallel_world_size()}
+    roles = split_roles(model.config.k3.text)
+    with contextlib.ExitStack() as stack:
+        where: dict[str, list[tuple[int, Any]]] = {}  # name -> (the writer's TP rank, its open file)
+        for f in files:
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+            meta = handle.metadata() or {}
+            if any(meta.get(k) != str(v) for k, v in here.items()):
+                raise CheckpointError(f"{f}: saved at tp {meta.get('tp')} x ep {meta.get('ep')}; this run is at "
+                                      f"tp {here['tp']} x ep {here['ep']}")
+            for name in handle.keys():
+                where.setdefault(name, []).append((int(meta["tp_rank"]), handle))
+
+        def read(name: str, tp_split: bool) -> torch.Tensor:
+            holders = [h for r, h in where.get(name, ()) if not tp_split or r == tp_rank]
+            if not holders:
+                raise CheckpointError(f"{path}: {name} missing" + (f" for TP rank {tp_rank}" if tp_split else ""))
+            return holders[0].get_tensor(name)
+
+        return _fill(model, roles, lambda n: read(n, roles[n].tp_dim is not None), lambda n: read(n, False))
 
 
 def load_official_dir(model: MegatronK3Model, path: str | Path) -> list[str]:

@@ -1,9 +1,9 @@
 """The state stage: checkpoints of a run and resuming from them, bit for bit.
 
-Everything the next step depends on is saved: the trainer's state (`TrainerBackend.save_state`: weights.pt or
-adapter/, optimizer), the RNG states (the task samples by the run's Random alone), the step, the policy version, the
-config and process count (`state.json`, plain JSON), and with `max_staleness` the rollouts generated ahead and the kept
-serving weights (`ahead.pt`, plain tensors and lists). A checkpoint is written into a sibling `.partial` directory
+Everything the next step depends on is saved: the trainer's state (`TrainerBackend.save_state`: the weights, each
+rank its part on several processes, or adapter/; the optimizer), the RNG states (the task samples by the run's Random
+alone), the step, the policy version, the config and process count (`state.json`, plain JSON), and with
+`max_staleness` the rollouts generated ahead and the kept serving weights (`ahead.pt`, plain tensors and lists). A checkpoint is written into a sibling `.partial` directory
 that rank 0 renames into place, so a crash never leaves a half-written `step-N`; a write that fails (a full disk)
 removes its partial directory and stops the run with `CheckpointError`, the latest complete checkpoint intact, and a
 checkpoint is not begun on a filesystem with less free space than the latest one took.
