@@ -48,10 +48,27 @@ def _add_init_checkpoint(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_init_checkpoint)
 
 
+def _run_export(args: argparse.Namespace) -> int:
+    from zerokl.ppo.export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out, progress=_progress))
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a `zerokl ppo` checkpoint's trained weights as an official checkpoint "
+                                      "directory (servable: zerokl serve, parity check --model, vLLM)")
+    p.add_argument("--checkpoint", required=True, help="a run directory (its latest complete checkpoint) or one of its "
+                                                       "checkpoints (OUT/checkpoints/step-N)")
+    p.add_argument("--out", required=True, help="new checkpoint directory (must not exist or be empty)")
+    p.set_defaults(func=_run_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerokl", description="RL training-inference parity toolkit for Kimi K3")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_init_checkpoint(sub)
+    _add_export(sub)
     plan.add_parser(sub)
     parity_cli.add_parser(sub)
     ppo_cli.add_parser(sub)

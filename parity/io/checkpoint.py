@@ -100,6 +100,12 @@ def _name_seed(seed: int, name: str) -> int:
     return h
 
 
+def check_new_dir(out: Path) -> None:
+    """A checkpoint is written only into a new or empty directory: CheckpointError naming `out` otherwise."""
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new --out directory")
+
+
 def save_checkpoint(
     cfg: ModelConfig,
     weights: dict[str, torch.Tensor],
@@ -115,8 +121,7 @@ def save_checkpoint(
     """
     out = Path(out)
     weights = pack_quantized(cfg.text, weights)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; choose a new --out directory")
+    check_new_dir(out)
     with atomic_dir(out) as tmp:
         expected = all_specs(cfg)
         missing = sorted(set(expected) - set(weights))
@@ -345,8 +350,7 @@ def save_dspark_checkpoint(cfg: DSparkConfig, weights: dict[str, torch.Tensor], 
     safetensors under the names vLLM's `K3DSparkForCausalLM` loads; written atomically, never over a non-empty
     directory. The draft has no embedding, lm_head or tokenizer of its own: vLLM shares the target's."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} exists and is not empty; choose a new --out directory")
+    check_new_dir(out)
     expected = dspark_specs(cfg)
     if set(weights) != set(expected):
         raise CheckpointError(f"draft weights do not match the config: missing {sorted(set(expected) - set(weights))[:5]}"

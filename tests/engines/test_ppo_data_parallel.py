@@ -6,7 +6,8 @@ replicated on every rank, training with them), and on DeepSpeed's ZeRO-3 over tw
 (their sample and token counts and their mean rewards, which differ); every sampled log-prob, raw log-prob and expert
 choice of both halves is checked bit for bit against the one-process rollout engine; and the run is deterministic:
 resumed from its step-1 checkpoint on fresh processes, step 1's metrics and the final weights are bitwise the
-uninterrupted run's.
+uninterrupted run's. The Megatron ranks save their own parts of the weights, every tensor once, and `zerokl export`
+gathers them into a servable official checkpoint.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def _saved_weights(state: Path) -> dict:
             for name, t in load_file(f).items()}
 
 
+def _export(run: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, torch.Tensor]:
+    """`zerokl export` of the run's latest checkpoint into `out`, read back (`load_checkpoint` checks it whole)."""
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    return load_checkpoint(out)[1]
+
+
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -103,13 +112,20 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
         roles = split_roles(load_model_config(k3_tiny_mxfp4).text)
         assert all(held[n] == (2 if roles[n].tp_dim is not None else 1) for n in roles) and all(
             c == 1 for n, c in held.items() if n not in roles), held
-        want = {name: t for (_, name), t in want.items()}
+        slices: dict[str, list[torch.Tensor]] = {}
+        for (_, name), t in sorted(want.items()):  # the writers of a TP-split tensor: ranks 0, 1 (TP 0, 1 of DP 0)
+            slices.setdefault(name, []).append(t)
+        want = {n: torch.cat(ts, roles[n].tp_dim) if len(ts) > 1 else ts[0] for n, ts in slices.items()}
+        exported = _export(run, tmp_path / "exported", capsys)  # the ranks' files gathered into a servable checkpoint
+        base = load_checkpoint(k3_tiny_mxfp4)[1]
+        assert exported.keys() == base.keys() and all(
+            exported[n].dtype == t.dtype and exported[n].shape == t.shape for n, t in base.items())
+        assert all(torch.equal(exported[n], t.to(base[n].dtype)) for n, t in want.items() if n in base)
         assert all(m["value_loss"] > 0 for m in metrics)
         heads = [torch.load(d / "checkpoints" / f"step-{STEPS}" / VALUE_HEAD_FILE) for d in (run, resumed)]
         assert heads[0].abs().sum() > 0 and torch.equal(*heads)
-        base = load_checkpoint(k3_tiny_mxfp4)[1]
         tower = [n for n in base if n.startswith(("vision_tower.", "mm_projector."))]
-        assert tower and all(not torch.equal(want[n].to(base[n].dtype), base[n]) for n in tower)
+        assert tower and all(not torch.equal(exported[n], base[n]) for n in tower)
     capsys.readouterr()  # resumed on one process: refused before anything starts
     assert main(["ppo", "--config", str(config), "--out", str(tmp_path / "bad"), "--backend", backend,
                  "--resume", str(run / "checkpoints" / "step-1")]) == 2
@@ -128,7 +144,8 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(backend: str, k3
         assert mem.dp == mem.expert_dp == 2 and all(abs(h - mem.adam) <= padding for h in held), (held, mem.adam)
 
 
-def test_lora_at_tp2_ep2_dp2_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
+def test_lora_at_tp2_ep2_dp2_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """`--lora` on four Megatron ranks at TP 2 x EP 2 x DP 2 (`data_parallel: replicate`: both DP ranks train on the
     whole batch; each TP rank holds its shard of the adapter; the distributed optimizer shards its Adam state over
     DP): KL 0 every step, and the run resumed from its step-1 checkpoint (the adapter copied back into each rank's TP
@@ -147,5 +164,10 @@ def test_lora_at_tp2_ep2_dp2_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Pa
         {k: v for k, v in _metrics(run)[1].items() if k not in TIMING_KEYS}
     want, got = ([load_file(p) for p in sorted((d / "checkpoints" / f"step-{STEPS}" / "adapter").glob("*.safetensors"))]
                  for d in (run, resumed))
+    capsys.readouterr()  # a LoRA run's checkpoint is its adapter: `zerokl export` says which commands take it
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA run's checkpoint" in err and "zerokl lora merge" in err and "Traceback" not in err, err
+    assert not (tmp_path / "exported").exists()
     assert want and len(want) == len(got)
     assert all(a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(want, got))

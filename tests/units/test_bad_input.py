@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import PPOReference
-from parity.io.checkpoint import INDEX_FILE
+from parity.io.checkpoint import INDEX_FILE, load_checkpoint
+from parity.weights import is_quantized, pack_quantized
 from zerokl.cli import main
 from zerokl.ppo.config import load_ppo_config
 from zerokl.ppo.state import resume_point
@@ -288,6 +289,30 @@ def test_resume_from_a_run_directory_takes_its_latest_complete_checkpoint(ppo_re
     shutil.copytree(run / "checkpoints" / "step-4", run / "checkpoints" / "step-6.partial")  # a crash mid-save
     assert resume_point(run) == run / "checkpoints" / "step-4"
     assert resume_point(run / "checkpoints" / "step-2") == run / "checkpoints" / "step-2"
+
+
+def test_export_writes_the_trained_weights_as_a_servable_checkpoint(ppo_reference: PPOReference, k3_tiny_mxfp4: Path,
+                                                                    tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`zerokl export` of the reference run (one process: weights.pt) writes its latest checkpoint's weights as an
+    official checkpoint: every tensor in the model's storage dtype, the text tensors the trained fp32 masters rounded
+    to it, the MXFP4 experts packed from them again; a non-empty --out or a directory that is no checkpoint is named.
+    (Megatron's per-rank files: tests/engines/test_ppo_data_parallel.py.)"""
+    out = tmp_path / "exported"
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(ppo_reference.out), "--out", str(out)]) == 0
+    masters = torch.load(ppo_reference.out / "checkpoints" / "step-4" / "weights.pt", weights_only=True)
+    cfg, exported = load_checkpoint(out)
+    base = load_checkpoint(k3_tiny_mxfp4)[1]
+    assert exported.keys() == base.keys() and all(exported[n].dtype == t.dtype for n, t in base.items())
+    assert all(torch.equal(exported[n], masters[n].to(t.dtype)) for n, t in base.items() if n in masters)
+    packed = pack_quantized(cfg.text, {n: t for n, t in masters.items() if is_quantized(cfg.text, n)})
+    assert packed and all(torch.equal(exported[n], t) for n, t in packed.items())
+    assert any(not torch.equal(exported[n], t) for n, t in base.items())  # the trained weights, not the base
+    _user_error(["export", "--checkpoint", str(ppo_reference.out), "--out", str(out)], capsys, "is not empty")
+    _user_error(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "again")], capsys,
+                "is not a zerokl ppo checkpoint")
+    assert not (tmp_path / "again").exists()
 
 
 @pytest.mark.parametrize(("key", "value"), [("lora", "true"), ("model", "configs/k3-small.yaml"), ("advantage", "gae")])

@@ -30,6 +30,7 @@ from lora.spec import AdapterError
 from lora.adapter import save_adapter as write_adapter
 from lora.state import write_shard
 from lora.targets import tensor_name
+from parity.config import TextConfig
 from trainer.megatron.modules import MegatronK3Model, local_experts
 from trainer.megatron.sharding import Split, lora_splits, shard, shard_range, split_of, split_roles
 from parity.io.checkpoint import CheckpointError, CheckpointReader, open_checkpoint, save_checkpoint
@@ -119,7 +120,6 @@ def _fill(model: MegatronK3Model, roles: dict[str, Split], part: Callable[[str],
 
 
 RANK_WEIGHTS_FILE = "weights-rank{rank}.safetensors"  # in a state saved on several processes: what rank r writes
-_LAYOUT_KEYS = ("tp", "tp_rank", "ep", "ep_rank")  # each rank file's metadata
 
 
 def save_rank_weights(model: MegatronK3Model, path: str | Path) -> Path:
@@ -305,3 +305,26 @@ def save_adapter_state(model: MegatronK3Model, out: str | Path) -> Path:
                     parallel_state.get_tensor_model_parallel_world_size())
     dist.barrier()
     return Path(out)
+
+
+def gather_rank_weights(path: str | Path, cfg: TextConfig) -> dict[str, torch.Tensor]:
+    """In one process, without torch.distributed: the whole tensors of a state `save_rank_weights` wrote into `path`
+    (each TP-split one concatenated along its split dim in TP-rank order, the rest as stored), by official name."""
+    roles = split_roles(cfg)
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    files = sorted(Path(path).glob(RANK_WEIGHTS_FILE.format(rank="*")))
+    if not files:
+        raise CheckpointError(f"{path}: no {RANK_WEIGHTS_FILE.format(rank='*')} - not a state saved by several "
+                              "Megatron processes")
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            tp_rank = int((handle.metadata() or {})["tp_rank"])
+            for name in handle.keys():
+                parts.setdefault(name, {})[tp_rank] = handle.get_tensor(name)
+    out = {}
+    for name, by_rank in parts.items():
+        dim = roles[name].tp_dim if name in roles else None
+        # a tensor held whole (routed experts among them) has one writer, whichever its TP rank
+        out[name] = torch.cat([by_rank[r] for r in sorted(by_rank)], dim) if dim is not None else \
+            next(iter(by_rank.values()))
+    return out
