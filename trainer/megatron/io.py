@@ -150,6 +150,22 @@ def save_rank_weights(model: MegatronK3Model, path: str | Path) -> Path:
     return out
 
 
+def _index_rank_files(stack: contextlib.ExitStack, files: list[Path],
+                      layout: dict[str, int] | None = None) -> dict[str, list[tuple[int, Any]]]:
+    """Each tensor name in the rank files `save_rank_weights` wrote -> [(its writer's TP rank, the open file)], the
+    files opened in `stack`; with `layout` ({"tp": T, "ep": E}), CheckpointError for a file saved at another."""
+    where: dict[str, list[tuple[int, Any]]] = {}
+    for f in files:
+        handle = stack.enter_context(safe_open(str(f), framework="pt"))
+        meta = handle.metadata() or {}
+        if layout is not None and any(meta.get(k) != str(v) for k, v in layout.items()):
+            raise CheckpointError(f"{f}: saved at tp {meta.get('tp')} x ep {meta.get('ep')}; this run is at "
+                                  f"tp {layout['tp']} x ep {layout['ep']}")
+        for name in handle.keys():
+            where.setdefault(name, []).append((int(meta["tp_rank"]), handle))
+    return where
+
+
 def load_rank_weights(model: MegatronK3Model, path: str | Path) -> list[str]:
     """Restore `save_rank_weights` at the layout that wrote it: each rank reads only its own TP slices, its EP rank's
     experts and the whole tensors it trains (safetensors reads by name, from every rank file's header; the frozen
@@ -166,15 +182,7 @@ def load_rank_weights(model: MegatronK3Model, path: str | Path) -> list[str]:
             "ep": parallel_state.get_expert_model_parallel_world_size()}
     roles = split_roles(model.config.k3.text)
     with contextlib.ExitStack() as stack:
-        where: dict[str, list[tuple[int, Any]]] = {}  # name -> (the writer's TP rank, its open file)
-        for f in files:
-            handle = stack.enter_context(safe_open(str(f), framework="pt"))
-            meta = handle.metadata() or {}
-            if any(meta.get(k) != str(v) for k, v in here.items()):
-                raise CheckpointError(f"{f}: saved at tp {meta.get('tp')} x ep {meta.get('ep')}; this run is at "
-                                      f"tp {here['tp']} x ep {here['ep']}")
-            for name in handle.keys():
-                where.setdefault(name, []).append((int(meta["tp_rank"]), handle))
+        where = _index_rank_files(stack, files, here)
 
         def read(name: str, tp_split: bool) -> torch.Tensor:
             holders = [h for r, h in where.get(name, ()) if not tp_split or r == tp_rank]
@@ -311,20 +319,15 @@ def gather_rank_weights(path: str | Path, cfg: TextConfig) -> dict[str, torch.Te
     """In one process, without torch.distributed: the whole tensors of a state `save_rank_weights` wrote into `path`
     (each TP-split one concatenated along its split dim in TP-rank order, the rest as stored), by official name."""
     roles = split_roles(cfg)
-    parts: dict[str, dict[int, torch.Tensor]] = {}
     files = sorted(Path(path).glob(RANK_WEIGHTS_FILE.format(rank="*")))
     if not files:
         raise CheckpointError(f"{path}: no {RANK_WEIGHTS_FILE.format(rank='*')} - not a state saved by several "
                               "Megatron processes")
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            tp_rank = int((handle.metadata() or {})["tp_rank"])
-            for name in handle.keys():
-                parts.setdefault(name, {})[tp_rank] = handle.get_tensor(name)
     out = {}
-    for name, by_rank in parts.items():
-        dim = roles[name].tp_dim if name in roles else None
-        # a tensor held whole (routed experts among them) has one writer, whichever its TP rank
-        out[name] = torch.cat([by_rank[r] for r in sorted(by_rank)], dim) if dim is not None else \
-            next(iter(by_rank.values()))
+    with contextlib.ExitStack() as stack:
+        for name, holders in _index_rank_files(stack, files).items():
+            dim = roles[name].tp_dim if name in roles else None
+            # a tensor held whole (routed experts among them) has one writer, whichever its TP rank
+            out[name] = torch.cat([h.get_tensor(name) for _, h in sorted(holders, key=lambda rh: rh[0])], dim) \
+                if dim is not None else holders[0][1].get_tensor(name)
     return out
