@@ -137,7 +137,7 @@ def layouts(text: TextConfig, max_world: int, triton: bool) -> list[Layout]:
         if tp * dp > max_world or (tp * dp) % ep or (triton and ep > 1):
             continue
         try:
-            check_divisible(text, tp, ep, segmented=not triton)
+            check_divisible(text, tp, ep)
         except ValueError:
             continue
         out.append(Layout(tp, ep, dp))

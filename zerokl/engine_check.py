@@ -21,7 +21,7 @@ from parity.compare import DumpError, ParityReport, SequenceLogprobs, compare, j
 from parity.config import ConfigError, ModelConfig
 from parity.diagnose import Divergence, diagnose
 from parity.image import ImageEncoder
-from parity.kernels import get_kernels, runs_triton
+from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.io.checkpoint import load_checkpoint
 from trainer.backend import DEFAULT_ZERO_STAGE
@@ -186,8 +186,7 @@ class TensorParallelScorer:
         from trainer.megatron.sharding import check_divisible
 
         try:  # a bad --tp fails here, before anything starts
-            check_divisible(load_checkpoint(checkpoint)[0].text, tp, 1,
-                            segmented=not runs_triton(kernels, torch.device("cpu")))  # the ranks run on the CPU
+            check_divisible(load_checkpoint(checkpoint)[0].text, tp, 1)
         except ValueError as e:
             raise ConfigError(f"--tp {tp}: {e}") from None
         self.checkpoint, self.tp, self.kernels, self.adapter = checkpoint, tp, kernels, adapter

@@ -19,9 +19,11 @@ from lora.adapter import Adapter
 from lora.init import random_adapter
 from lora.state import read_state
 from parity.kernels import get_kernels
-from parity.kernels.linear import LoRA
+from parity.config import TextConfig
+from parity.kernels.linear import LoRA, k_segments
+from parity.kernels.triton import linear as triton_linear
 from parity.model import K3Forward, K3Weights, score_sequences
-from parity.weights import master_weights
+from parity.weights import is_row_parallel, master_weights, text_specs
 from trainer.megatron.io import export_adapter, save_adapter_state
 from trainer.logprobs import PaddedBatch, token_logprobs
 from trainer.megatron.parallel import ParallelContext, destroy_parallel, init_parallel
@@ -54,6 +56,33 @@ def same(a: Adapter, b: Adapter) -> bool:
         torch.equal(x, y) for m in a.weights for x, y in zip(a.weights[m], b.weights[m]))
 
 
+def triton_launches(fn):  # noqa: ANN001, ANN201 - any call
+    """(fn(), [(M, K, N, segments, segment sums only) of every Triton GEMM launch inside fn])."""
+    seen: list[tuple[int, int, int, int, bool]] = []
+    launch = triton_linear._launch
+
+    def recording(x, w, y, t_args, cfg, n_seg, seg, split, parts):  # noqa: ANN001, ANN202
+        seen.append((*x.shape, w.shape[0], n_seg, parts is not None))
+        return launch(x, w, y, t_args, cfg, n_seg, seg, split, parts)
+
+    triton_linear._launch = recording
+    try:
+        return fn(), seen
+    finally:
+        triton_linear._launch = launch
+
+
+def row_parallel_on_shards(launches: list, cfg: TextConfig, tp: int) -> bool:
+    """Whether the launches hold a segment-sums GEMM on K / TP columns for each row-parallel weight [N, K] of the model,
+    every segment-sums GEMM (the LoRA's x A^T too) reduces over some row-parallel K / TP, and none runs a row-parallel
+    reduction over its whole K in its segments (what one process runs)."""
+    whole = {tuple(spec.shape) for name, spec in text_specs(cfg).items() if is_row_parallel(name)}
+    ks = {k for _, k in whole}
+    ran = {(n, k) for _, k, n, _, parts in launches if parts}
+    unsplit = [(n, k) for _, k, n, segs, parts in launches if not parts and k in ks and segs == k_segments(k) > 1]
+    return bool(whole) and {(n, k // tp) for n, k in whole} <= ran and all(k * tp in ks for _, k in ran) and not unsplit
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser()
@@ -77,7 +106,10 @@ def main() -> None:
     seqs = sequences(par.dp_rank)
     batch = PaddedBatch.from_sequences(seqs)
     trainer = wrap(model, lr=1e-3, clip_grad=CLIP_GRAD)
-    lp = token_logprobs(trainer.model, batch, TEMPERATURE)
+    lp, launches = triton_launches(lambda: token_logprobs(trainer.model, batch, TEMPERATURE))
+    if args.kernels == "triton":
+        check(row_parallel_on_shards(launches, model_cfg.text, par.tp),
+              f"{tag}: every row-parallel GEMM ran on this rank's K / TP columns only (1 / TP of its FLOPs)")
     with torch.no_grad():
         one_process = score_sequences(ref, seqs, TEMPERATURE)
     check(all(torch.equal(lp[i, : len(s) - 1], one_process[i]) for i, s in enumerate(seqs)),

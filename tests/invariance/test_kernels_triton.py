@@ -157,7 +157,7 @@ def test_linear_both_code_paths_row_invariant(p: Platform) -> None:
     for tma in (False, True):
         for n_seg in (1, 3):
             cfg = lin.GemmConfig(32, 32, 32, 4, 4, 2, tma=tma, k_segments=n_seg)
-            assert lin.segments(192, cfg) == (n_seg, 192 // n_seg)
+            assert lin.segment_layout(192, cfg) == (n_seg, 192 // n_seg)
             full = lin.matmul(p.t(x), p.t(w), config=cfg)
             for i in (0, 31, 32, 199):
                 assert_bits(lin.matmul(p.t(x[i : i + 1]), p.t(w), config=cfg)[0], full[i])
@@ -170,6 +170,36 @@ def test_linear_both_code_paths_row_invariant(p: Platform) -> None:
     t = lin.matmul(p.t(x), lora.a, config=cfg)
     full = lin.matmul(p.t(x), p.t(w), t, lora.b, 0.5, config=cfg)
     assert_bits(lin.matmul(p.t(x[7:8]), p.t(w), t[7:8].clone(), lora.b, 0.5, config=cfg)[0], full[7])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_segments_formed_on_k_shards_have_the_whole_gemms_bits(p: Platform, dtype: torch.dtype) -> None:
+    """A row-parallel projection's S segments (`linear(..., segments=S)`): each TP shard of K / TP columns forms its
+    segments' sums (`segment_sums`), and all S added in order with the LoRA epilogue (`combine_segments`) give the
+    one-process result bit for bit, for TP = 1 ... S, split (few rows) and fused (many rows) paths, and segments of
+    8 columns (one masked block) as well as of several blocks."""
+    lin = p.mod.linear
+    for m, k, n, r in ((5, 64, 24, 4), (200, 1024, 40, 8)):
+        x, w, a, b = (p.t(torch.randn(*shape).to(dtype)) for shape in ((m, k), (n, k), (r, k), (n, r)))
+        whole = lin.linear(x, w, LoRA(a, b, 0.5), segments=8)
+        cfg, cfg_a = lin.gemm_config(n, k, dtype, m), lin.gemm_config(r, k, dtype, m)
+        for tp in (1, 2, 4, 8):
+            cols = [slice(i * k // tp, (i + 1) * k // tp) for i in range(tp)]
+            t = lin.combine_segments(torch.cat([lin.segment_sums(x[:, c].contiguous(), a[:, c].contiguous(), k // 8,
+                                                                 cfg_a) for c in cols]), dtype, cfg_a)
+            parts = torch.cat([lin.segment_sums(x[:, c].contiguous(), w[:, c].contiguous(), k // 8, cfg)
+                               for c in cols])
+            assert parts.shape == (8, m, n)
+            assert_bits(lin.combine_segments(parts, dtype, cfg, t, b, 0.5), whole)
+        # against float64 on the kernel's t (rounded to dtype as stored): one rounding of the output (relative error
+        # u: bf16's 2^-8, or 2^-7 where the interpreter's cast truncates) and fp32 sums of k + r terms, each
+        # addition off by at most 2^-24 of the sum of the terms' magnitudes
+        x64, w64, t64, b64 = (v.double().cpu() for v in (x, w, t, b))
+        ref = x64 @ w64.t() + 0.5 * t64 @ b64.t()
+        magnitude = x64.abs() @ w64.abs().t() + 0.5 * t64.abs() @ b64.abs().t()
+        u = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -24
+        bound = u * ref.abs() + (k + r) * 2.0 ** -24 * magnitude * (1 + u)
+        assert ((whole.double().cpu() - ref).abs() <= bound).all()
 
 
 # --- row-wise ops ---------------------------------------------------------------------------------
@@ -872,7 +902,7 @@ def test_gpu_linear_split_path_repeatable(gpu: Platform) -> None:
     x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
     full = lin.matmul(x, w)
     for m in (1, 64, 128):
-        assert lin.segments(k, lin.gemm_config(n, k, torch.bfloat16, m))[0] > 1 and m <= lin.SPLIT_MAX_M
+        assert lin.segment_layout(k, lin.gemm_config(n, k, torch.bfloat16, m))[0] > 1 and m <= lin.SPLIT_MAX_M
         outs = [lin.matmul(x[:m], w) for _ in range(50)]
         for y in outs:
             assert_bits(y, full[:m])

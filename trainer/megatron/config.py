@@ -39,7 +39,7 @@ def k3_transformer_config(model_cfg: ModelConfig, par: ParallelContext, kernels:
     """The trainer's config for `model_cfg` at `par`'s TP/EP sizes; fp32 master parameters unless asked."""
     t = model_cfg.text
     triton = runs_triton(kernels, par.device)
-    check_divisible(t, par.tp, par.ep, segmented=not triton)
+    check_divisible(t, par.tp, par.ep)
     if par.ep > 1 and triton:
         raise ValueError(f"expert parallelism on the Triton kernels (kernels {kernels!r} on {par.device.type}) is not "
                          "built: their grouped expert op adds a token's expert outputs inside one call, which an "

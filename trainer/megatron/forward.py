@@ -11,9 +11,8 @@ mappings, so that each token's log-prob keeps the bits of the one-process forwar
   GEMM's pairwise segment sum; the TP partials are all-gathered and added by the same pairwise sum in rank order,
   then rounded once: the one-process bits at 1 / TP of the FLOPs. A LoRA on a row-parallel weight splits A the
   same way (its x A^T is a reduction over the same K) and applies B on every rank. On the Triton kernels (CUDA, or
-  the triton set) the GEMM adds its own fixed K segments, which no rank's share forms: there the K shards of the
-  input, the weight and A are all-gathered and every rank runs the whole GEMM (the one-process call, at TP times
-  the FLOPs and a weight all-gather per call);
+  the triton set) the GEMM adds the same S segments in order rather than pairwise: each rank forms its segments'
+  sums and every rank adds all S in order (`trainer.megatron.row_segments`), also at 1 / TP of the FLOPs;
 - the vocab-parallel embedding adds exact zeros; lm_head logits are all-gathered before the log-softmax;
 - routed experts (EP > 1): each (token, slot) row goes to the EP rank owning its expert (all-to-all), which
   forms weight * expert(row) with `experts_combine` (one slot per row, so each product is the one the
@@ -61,7 +60,7 @@ from parity.kernels.primitives import wide
 from parity.kernels.moe import experts_combine
 from parity.caches import KDACache, MLACache
 from parity.model import K3Forward, K3Weights
-from parity.quant.bf16 import holds_bf16_values, mark_bf16_valued
+from trainer.megatron.row_segments import row_segments
 from trainer.megatron.sharding import Split, lora_splits, split_of, split_roles
 
 if TYPE_CHECKING:
@@ -191,36 +190,24 @@ class ParallelK3Forward(K3Forward):
     def _row(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A row-parallel projection on this rank's K / TP input features x: [..., K / TP] -> [..., N], whole on every
         rank. Invariant kernels: this rank's segments of the invariant GEMM (one subtree of its pairwise sum), the
-        partials combined in rank order, the LoRA term likewise, one rounding: the one-process bits. Fast kernels:
-        the local `F.linear` all-reduced (Megatron's row-parallel layer)."""
+        partials combined in rank order, the LoRA term likewise, one rounding: the one-process bits. Triton kernels:
+        this rank's segment sums, all of them added in order (`row_segments`). Fast kernels: the local `F.linear`
+        all-reduced (Megatron's row-parallel layer)."""
         w = self.weight(name)
         lora = self._lora(name)
         lead, k_local = x.shape[:-1], x.shape[-1]
         if lora is not None:  # A is whole (gradient summed over TP): this rank's columns
             lora = LoRA(lora.a.narrow(1, self.tp_rank * k_local, k_local), lora.b, lora.scale)
-        if runs_triton(self.k.name, x.device):
-            return self._row_whole(x, w, lora)
         if self.k.name == "fast":  # (x_r A_r^T) B^T summed over r is the whole LoRA term
             return reduce_from_tensor_model_parallel_region(self.k.linear(x, w, lora), group=self.tp_group)
+        if runs_triton(self.k.name, x.device):
+            return row_segments(x, w, lora, k_segments(k_local * self.tp), self.tp, self.tp_group)
         segments = k_segments(k_local * self.tp) // self.tp
         x2 = wide(x.reshape(-1, k_local))
         y = self._combine(gemm(x2, w, segments))
         if lora is not None:
             y = y + gemm(self._combine(gemm(x2, lora.a, segments)), lora.b) * lora.scale
         return y.reshape(*lead, w.shape[0]).to(x.dtype)
-
-    def _row_whole(self, x: torch.Tensor, w: torch.Tensor, lora: LoRA | None) -> torch.Tensor:
-        """The row-parallel projection on the Triton kernels, whose GEMM adds its own fixed K segments (no rank's
-        share is one of them): the shards of x, W and LoRA A (this rank's K / TP columns) all-gathered along K and
-        the whole GEMM run on every rank, the one-process call on the one-process operands. Each gather's gradient
-        is this rank's slice, so W's shard gets its own columns' gradient and A's whole gradient is the sum over
-        TP, as on the segmented path."""
-        whole_w = gather_from_tensor_model_parallel_region(w, group=self.tp_group)
-        if holds_bf16_values(w):  # a trainer's bf16-rounded master: the bf16 GEMM, as in one process
-            mark_bf16_valued(whole_w)
-        if lora is not None:
-            lora = LoRA(gather_from_tensor_model_parallel_region(lora.a, group=self.tp_group), lora.b, lora.scale)
-        return self.k.linear(gather_from_tensor_model_parallel_region(x, group=self.tp_group), whole_w, lora)
 
     def _region(self, x: torch.Tensor) -> torch.Tensor:
         """Enter a TP region: identity forward, gradient summed over TP."""

@@ -160,10 +160,9 @@ def lora_splits(base: Split) -> tuple[Split, Split]:
     raise ValueError(f"a {base.value} weight takes no LoRA")
 
 
-def check_divisible(cfg: TextConfig, tp: int, ep: int, segmented: bool = True) -> None:
-    """Raise ValueError naming the config field that `tp` or `ep` does not divide. `segmented`: the row-parallel GEMMs
-    split their fixed K segments over TP (the CPU invariant kernels), so TP must divide them; False where each rank
-    gathers whole rows (the Triton kernels: `parity.kernels.runs_triton`)."""
+def check_divisible(cfg: TextConfig, tp: int, ep: int) -> None:
+    """Raise ValueError naming the config field that `tp` or `ep` does not divide; the row-parallel GEMMs split their
+    fixed K segments over TP (the invariant and the Triton kernels alike), so TP must divide those too."""
     need = {
         "linear_attn_config.num_heads": (cfg.kda_num_heads, tp),
         "num_attention_heads": (cfg.num_attention_heads, tp),
@@ -175,7 +174,7 @@ def check_divisible(cfg: TextConfig, tp: int, ep: int, segmented: bool = True) -
     for field, (size, parts) in need.items():
         if size % parts:
             raise ValueError(f"{field} = {size} is not divisible by the parallel size {parts}")
-    if tp > 1 and segmented:
+    if tp > 1:
         for name, spec in text_specs(cfg).items():
             k = spec.shape[-1]
             if split_of(name) is Split.ROW and k_segments(k) % tp:

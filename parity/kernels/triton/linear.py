@@ -8,9 +8,13 @@ compute exactly that sequence:
 - split (M <= `SPLIT_MAX_M`, decode): one program per (tile, segment) writes its fp32 segment sum, then counts
   itself in on the tile's arrival counter (an acquire-release atomic after a barrier); the program that arrives
   last reads the tile's sums back from L2 and adds them in segment order, so no second kernel runs,
-so a row's bits are the same on both paths (the last arriver's own sum is read back too: fp32 stores are exact). The rows of a tile are independent inside the matrix
-instructions and padded rows are loaded as zeros, so a row's bits do not depend on how many rows the
-batch has or where the row sits in it. Row counts are not specialised on (`do_not_specialize`).
+so a row's bits are the same on both paths (the last arriver's own sum is read back too: fp32 stores are exact).
+A row-parallel projection (`linear(..., segments=S)`) has S equal segments of K / S columns, whatever BLOCK_K (a
+segment's last block is masked at the segment's end), so a tensor-parallel rank holding K / TP whole segments forms
+their sums as one process does (`segment_sums`: the split programs' stores alone), and `combine_segments` adds all S
+in order as the last arriver does: the one-process bits at 1 / TP of the GEMM's FLOPs. The rows of a tile are
+independent inside the matrix instructions and padded rows are loaded as zeros, so a row's bits do not depend on how
+many rows the batch has or where the row sits in it. Row counts are not specialised on (`do_not_specialize`).
 
 Tile shapes: `gemm_config(n, k, dtype, m)` picks a 64-row tile for M <= `SPLIT_MAX_M` and a 128-row
 tile above (bf16). Both share BLOCK_K and the segment rule, and on Hopper both issue the same
@@ -63,7 +67,7 @@ class GemmConfig:
     warps: int = 8
     stages: int = 4
     tma: bool = False
-    k_segments: int | None = None  # None: the rule in `segments`
+    k_segments: int | None = None  # None: the rule in `segment_layout`
 
 
 SPLIT_MAX_M = 128  # at most this many rows: one program per (tile, K segment), then an ordered add
@@ -93,9 +97,16 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, m: int) -> GemmConfig:
     return PREFILL_BF16 if n >= LARGE and k >= LARGE else DEFAULT_BF16
 
 
-def segments(k: int, cfg: GemmConfig) -> tuple[int, int]:
-    """(number of K segments, segment length, a multiple of BLOCK_K) for reduction length k: a function
-    of k and the config only. Default: one segment per 1024 of K, at most 4."""
+def segment_layout(k: int, cfg: GemmConfig, count: int | None = None) -> tuple[int, int]:
+    """(number of K segments, segment length) for reduction length k: a function of k, the config and `count` only.
+    `count` given (a row-parallel projection: `parity.kernels.linear.k_segments`, which divides k): k / count
+    columns each, whatever BLOCK_K (a segment's last block is masked at the segment's end), so a tensor-parallel
+    rank holding whole segments computes them exactly as one process does. Else one segment per 1024 of K, at most 4,
+    each a multiple of BLOCK_K."""
+    if count is not None:
+        if k % count:
+            raise ValueError(f"{count} segments do not divide a reduction of {k}")
+        return count, k // count
     n = cfg.k_segments or max(1, min(4, k // 1024))
     seg = triton.cdiv(triton.cdiv(k, n), cfg.block_k) * cfg.block_k
     return triton.cdiv(k, seg), seg
@@ -139,27 +150,36 @@ def _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, s
 
 
 @triton.jit
+def _ordered_total(p_ptr, cell, mask, M, N, n_seg, BM: tl.constexpr, BN: tl.constexpr):
+    """((0 + s_0) + s_1) + ... of the fp32 segment sums stored at p_ptr[s] (the fused path's additions), read from
+    L2 (.cg: other programs' sums are not in this SM's L1)."""
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(0, n_seg):
+        total = total + tl.load(p_ptr + tl.cast(s, tl.int64) * M * N + cell, mask=mask, other=0.0,
+                                cache_modifier=".cg")
+    return total
+
+
+@triton.jit
 def _epilogue(total, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, rm, rn, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
-              scale, SPLIT: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
-    """Not SPLIT: store y. SPLIT: store this segment's fp32 sum at p_ptr[segment] and count in on the tile's counter
-    c_ptr[tile]; the last of the tile's segments to arrive resets the counter and stores
-    y = ((0 + s_0) + s_1) + ... from the stored sums, in segment order (the fused path's additions)."""
+              scale, SPLIT: tl.constexpr, PARTS: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """Not SPLIT: store y. SPLIT: store this segment's fp32 sum at p_ptr[segment]; PARTS: that is all (the sums are
+    the result: `segment_sums`); else count in on the tile's counter c_ptr[tile], and the last of the tile's segments
+    to arrive resets the counter and stores y = ((0 + s_0) + s_1) + ... from the stored sums, in segment order."""
     if SPLIT:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         cell = rm[:, None] * N + rn[None, :]
-        n_seg = tl.cdiv(K, SEG)
         tl.store(p_ptr + tl.program_id(1).to(tl.int64) * M * N + cell, total, mask=mask)
-        tl.debug_barrier()  # every thread's stores precede the release below
-        arrived = tl.atomic_add(c_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == n_seg - 1:
-            tl.atomic_xchg(c_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, n_seg):  # read from L2 (.cg): the other programs' sums are not in this SM's L1
-                total = total + tl.load(p_ptr + tl.cast(s, tl.int64) * M * N + cell, mask=mask, other=0.0,
-                                        cache_modifier=".cg")
-            _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale, HAS_LORA,
-                     R_PAD, BM, BN, PREC, INTERP)
+        if not PARTS:
+            n_seg = tl.cdiv(K, SEG)
+            tl.debug_barrier()  # every thread's stores precede the release below
+            arrived = tl.atomic_add(c_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if arrived == n_seg - 1:
+                tl.atomic_xchg(c_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+                total = _ordered_total(p_ptr, cell, mask, M, N, n_seg, BM, BN)
+                _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale,
+                         HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
     else:
         _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale, HAS_LORA, R_PAD,
                  BM, BN, PREC, INTERP)
@@ -179,7 +199,7 @@ def _segment_range(K, SEG, SPLIT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, M, N, K, SEG, sxm, sxk, swn, swk, sws, sym,
-                     syn, R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr,
+                     syn, R, stm, str_, sbn, sbr, scale, SPLIT: tl.constexpr, PARTS: tl.constexpr,
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
                      W_MXFP4: tl.constexpr):
@@ -191,21 +211,23 @@ def _gemm_ptr_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, M,
     total = tl.zeros((BM, BN), dtype=tl.float32)
     for s in range(s_lo, s_hi):
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(s * SEG, tl.minimum(s * SEG + SEG, K), BK):
+        end = tl.minimum(s * SEG + SEG, K)  # the segment's last block is masked here, not at K
+        for k0 in range(s * SEG, end, BK):
             a = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
-                        mask=(rm[:, None] < M) & (rk[None, :] + k0 < K), other=0.0)
-            b = weight_tile(w_ptr, ws_ptr, rn, k0, N, K, swn, swk, sws, BN, BK, W_MXFP4)
+                        mask=(rm[:, None] < M) & (rk[None, :] + k0 < end), other=0.0)
+            b = weight_tile(w_ptr, ws_ptr, rn, k0, N, end, swn, swk, sws, BN, BK, W_MXFP4)
             acc = mma(a, b, acc, PREC, INTERP)
         total = total + acc
     _epilogue(total, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, rm, rn, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
-              scale, SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
+              scale, SPLIT, PARTS, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
-                     scale, SPLIT: tl.constexpr,
+                     scale, SPLIT: tl.constexpr, PARTS: tl.constexpr,
                      HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """SEG a multiple of BK (`matmul` picks this kernel only then): blocks never cross a segment's end."""
     pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
     s_lo, s_hi = _segment_range(K, SEG, SPLIT)
     total = tl.zeros((BM, BN), dtype=tl.float32)
@@ -219,7 +241,21 @@ def _gemm_tma_kernel(x_desc, w_desc, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, M, N, K,
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     _epilogue(total, y_ptr, p_ptr, c_ptr, t_ptr, b_ptr, rm, rn, M, N, K, SEG, sym, syn, R, stm, str_, sbn, sbr,
-              scale, SPLIT, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
+              scale, SPLIT, PARTS, HAS_LORA, R_PAD, BM, BN, PREC, INTERP)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _combine_kernel(p_ptr, y_ptr, t_ptr, b_ptr, M, N, n_seg, sym, syn, R, stm, str_, sbn, sbr, scale,
+                    HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    GROUP_M: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr):
+    """y = ((0 + s_0) + s_1) + ... (+ LoRA) from the fp32 segment sums p_ptr[s]: the split path's last arriver."""
+    pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
+    rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    total = _ordered_total(p_ptr, rm[:, None] * N + rn[None, :], mask, M, N, n_seg, BM, BN)
+    _store_y(total, y_ptr, t_ptr, b_ptr, rm, rn, M, N, sym, syn, R, stm, str_, sbn, sbr, scale, HAS_LORA, R_PAD, BM,
+             BN, PREC, INTERP)
 
 
 MAX_SPLIT_TILES = 1 << 16
@@ -249,42 +285,37 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return True
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor | None = None,
-           lora_b: torch.Tensor | None = None, scale: float = 0.0, config: GemmConfig | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x: [M, K], w: [N, K] (same dtype; or packed MXFP4 with bf16 x) -> [M, N] in `out_dtype` (default x's dtype;
-    the fp32 total rounded once); optional epilogue + (t B^T) * scale with t: [M, R], lora_b: [N, R]. `config`
-    overrides the per-shape table (benchmark sweeps only)."""
+def _lora_args(y: torch.Tensor, lora_t: torch.Tensor | None, lora_b: torch.Tensor | None, scale: float) -> tuple:
+    """The kernels' LoRA arguments (t, B, R, their strides, scale); placeholders without LoRA."""
+    if lora_t is None:
+        return (y, y, 0, 0, 0, 0, 0, 0.0)
+    assert lora_b is not None
+    return (lora_t, lora_b, lora_t.shape[1], lora_t.stride(0), lora_t.stride(1), lora_b.stride(0), lora_b.stride(1),
+            float(scale))
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, y: torch.Tensor, t_args: tuple, cfg: GemmConfig,
+            n_seg: int, seg: int, split: bool, parts: torch.Tensor | None) -> None:
+    """One GEMM launch over x's K (`n_seg` segments of `seg`): fused, split (one program per (tile, segment), the last
+    arriver adding), or with `parts` given the split programs' segment sums stored there and nothing else."""
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    packed = isinstance(w, MXFP4Weight)
-    cfg = config or gemm_config(n, k, x.dtype if packed else w.dtype, m)
-    has_lora = lora_t is not None
-    if has_lora:
-        assert lora_b is not None
-        r = lora_t.shape[1]
-        t_args = (lora_t, lora_b, r, lora_t.stride(0), lora_t.stride(1), lora_b.stride(0), lora_b.stride(1), float(scale))
-    else:
-        t_args = (y, y, 0, 0, 0, 0, 0, 0.0)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    n_seg, seg = segments(k, cfg)
-    split = n_seg > 1 and m <= SPLIT_MAX_M
-    part = torch.empty(n_seg, m, n, dtype=torch.float32, device=x.device) if split else y
-    counters = arrival_counters(x.device, tiles) if split else y
+    split = split or parts is not None
+    part = parts if parts is not None else (
+        torch.empty(n_seg, m, n, dtype=torch.float32, device=x.device) if split else y)
+    counters = arrival_counters(x.device, tiles) if split and parts is None else y
     grid = (tiles, n_seg) if split else (tiles,)
-    meta = dict(HAS_LORA=has_lora, R_PAD=pow2(t_args[2]), BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
-                PREC=dot_precision(x.dtype), INTERP=INTERPRET, num_warps=cfg.warps, SPLIT=split, BK=cfg.block_k,
-                num_stages=cfg.stages)
-    if packed:
-        assert x.dtype == torch.bfloat16 and cfg.block_k % GROUP == 0 and k % GROUP == 0
+    meta = dict(HAS_LORA=t_args[2] > 0, R_PAD=pow2(t_args[2]), BM=cfg.block_m, BN=cfg.block_n, GROUP_M=cfg.group_m,
+                PREC=dot_precision(x.dtype), INTERP=INTERPRET, num_warps=cfg.warps, SPLIT=split,
+                PARTS=parts is not None, BK=cfg.block_k, num_stages=cfg.stages)
+    if isinstance(w, MXFP4Weight):
+        assert x.dtype == torch.bfloat16 and cfg.block_k % GROUP == 0 and seg % GROUP == 0
         wp, ws = w.packed.contiguous(), w.scale.contiguous()
         _gemm_ptr_kernel[grid](x, wp, ws, y, part, counters, t_args[0], t_args[1], m, n, k, seg, x.stride(0),
                                x.stride(1), wp.stride(0), 1, ws.stride(0), y.stride(0), y.stride(1), *t_args[2:],
                                W_MXFP4=True, **meta)
-    elif cfg.tma and _tma_ok(x, w):
+    elif cfg.tma and seg % cfg.block_k == 0 and _tma_ok(x, w):
         xd = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k])
         wd = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
         _gemm_tma_kernel[grid](xd, wd, y, part, counters, t_args[0], t_args[1], m, n, k, seg, y.stride(0),
@@ -293,6 +324,56 @@ def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor 
         _gemm_ptr_kernel[grid](x, w, w, y, part, counters, t_args[0], t_args[1], m, n, k, seg, x.stride(0),
                                x.stride(1), w.stride(0), w.stride(1), 0, y.stride(0), y.stride(1), *t_args[2:],
                                W_MXFP4=False, **meta)
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora_t: torch.Tensor | None = None,
+           lora_b: torch.Tensor | None = None, scale: float = 0.0, config: GemmConfig | None = None,
+           out_dtype: torch.dtype | None = None, segments: int | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] (same dtype; or packed MXFP4 with bf16 x) -> [M, N] in `out_dtype` (default x's dtype;
+    the fp32 total rounded once); optional epilogue + (t B^T) * scale with t: [M, R], lora_b: [N, R]. `segments`:
+    the K segment count (`segment_layout`; default the config's rule). `config` overrides the per-shape table (benchmark
+    sweeps only)."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = config or gemm_config(n, k, x.dtype if isinstance(w, MXFP4Weight) else w.dtype, m)
+    n_seg, seg = segment_layout(k, cfg, segments)
+    _launch(x, w, y, _lora_args(y, lora_t, lora_b, scale), cfg, n_seg, seg, n_seg > 1 and m <= SPLIT_MAX_M, None)
+    return y
+
+
+def segment_sums(x: torch.Tensor, w: torch.Tensor, seg: int, config: GemmConfig) -> torch.Tensor:
+    """x: [M, K'], w: [N, K'] (same dtype), K' whole segments of `seg` columns -> [K' / seg, M, N] fp32: each segment's
+    sum exactly as `matmul` forms it under `config` (a tensor-parallel rank's share of a row-parallel GEMM: pass the
+    whole GEMM's config, `gemm_config(N, K, dtype, M)`); `combine_segments` adds them."""
+    m, k = x.shape
+    n = w.shape[0]
+    if k % seg:
+        raise ValueError(f"{k} columns are not whole segments of {seg}")
+    parts = torch.empty(k // seg, m, n, dtype=torch.float32, device=x.device)
+    if m and n:
+        _launch(x, w, parts, _lora_args(parts, None, None, 0.0), config, k // seg, seg, True, parts)
+    return parts
+
+
+def combine_segments(parts: torch.Tensor, out_dtype: torch.dtype, config: GemmConfig,
+                     lora_t: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
+                     scale: float = 0.0) -> torch.Tensor:
+    """parts: [S, M, N] fp32 segment sums (`segment_sums`, all S of them in segment order) -> [M, N] in `out_dtype`:
+    ((0 + s_0) + s_1) + ... (+ (t B^T) * scale), rounded once: `matmul`'s result for the whole K under `config`."""
+    n_seg, m, n = parts.shape
+    y = torch.empty(m, n, dtype=out_dtype, device=parts.device)
+    if m == 0 or n == 0:
+        return y
+    parts = parts.contiguous()
+    t_args = _lora_args(y, lora_t, lora_b, scale)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _combine_kernel[grid](parts, y, t_args[0], t_args[1], m, n, n_seg, y.stride(0), y.stride(1), *t_args[2:],
+                          HAS_LORA=t_args[2] > 0, R_PAD=pow2(t_args[2]), BM=config.block_m, BN=config.block_n,
+                          GROUP_M=config.group_m, PREC=dot_precision(lora_t.dtype if lora_t is not None else out_dtype),
+                          INTERP=INTERPRET, num_warps=config.warps)
     return y
 
 
@@ -312,18 +393,20 @@ def linear(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, lora: LoRA | None = N
     holding only bf16 values (a trainer's rounded master: `parity.quant.bf16`), which runs as the bf16 GEMM on that
     weight, so a trainer and an engine holding the weight in bf16 get the same bits; MXFP4 with fp32 x is
     dequantised first.
-    `segments` (the CPU kernel's K segmentation of row-parallel projections) does not apply: this GEMM always adds
-    its own fixed K segments (`gemm_config`), which a GPU tensor-parallel split would have to follow."""
+    `segments` > 1 (a row-parallel projection: `parity.kernels.linear.k_segments`): both reductions over K (x W^T and
+    x A^T) add that many equal K segments in order, so a tensor-parallel rank holding whole segments forms its share
+    with these bits (`segment_sums`, `combine_segments`); else the GEMM's own segment rule."""
     out_dtype = x.dtype
     w, dtype = gemm_operand(x, w)
     x = x.to(dtype)
     check_dtype(x, *(() if isinstance(w, MXFP4Weight) else (w,)))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    count = segments if segments > 1 else None
     if lora is None:
-        y = matmul(x2, w)
+        y = matmul(x2, w, segments=count)
     else:
         a, b = lora.a.to(dtype), lora.b.to(dtype)
-        t = matmul(x2, a)
-        y = matmul(x2, w, t, b, lora.scale)
+        t = matmul(x2, a, segments=count)
+        y = matmul(x2, w, t, b, lora.scale, segments=count)
     return y.reshape(*lead, w.shape[0]).to(out_dtype)
