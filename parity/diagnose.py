@@ -35,20 +35,22 @@ class Divergence:
 
 
 def capture(fwd: K3Forward, seq: list[int], schedule: Schedule, prefill: int | None = None) -> dict[str, torch.Tensor]:
-    """Every block's output for every position of `seq`: name -> [T, ...] fp32 (steps concatenated)."""
+    """Every block's output for every position of `seq`: name -> [T, ...] fp32 (steps concatenated), computed on the
+    device of the forward's weights (ids, positions and caches made there)."""
     steps = [(0, len(seq))]
     if schedule == "decode":
         first = max(1, min(prefill if prefill is not None else len(seq) // 2, len(seq)))
         steps = [(0, first)] + [(i, i + 1) for i in range(first, len(seq))]
-    caches = new_cache(fwd.cfg, 1, fwd.dtype)
     parts: dict[str, list[torch.Tensor]] = {}
-    for start, end in steps:
-        cap: dict[str, torch.Tensor] = {}
-        hidden = fwd.hidden(torch.tensor([seq[start:end]]), torch.arange(start, end).view(1, -1),
-                            torch.tensor([end - start]), caches, capture=cap)
-        cap["logits"] = fwd.logits(hidden)
-        for name, t in cap.items():
-            parts.setdefault(name, []).append(t[0])
+    with torch.device(fwd.weight(fwd.names.embed).device):
+        caches = new_cache(fwd.cfg, 1, fwd.dtype)
+        for start, end in steps:
+            cap: dict[str, torch.Tensor] = {}
+            hidden = fwd.hidden(torch.tensor([seq[start:end]]), torch.arange(start, end).view(1, -1),
+                                torch.tensor([end - start]), caches, capture=cap)
+            cap["logits"] = fwd.logits(hidden)
+            for name, t in cap.items():
+                parts.setdefault(name, []).append(t[0])
     return {name: torch.cat(ts) for name, ts in parts.items()}
 
 
