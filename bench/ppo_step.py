@@ -1,6 +1,7 @@
-"""The whole PPO step through vLLM, the invariant kernels against `--kernels fast`, in one process: `zerokl ppo` on
-one config twice (each run starts its own engine and trainer and shuts them down), then each phase's median over the
-steps after the first (which compiles and warms) and the ratio invariant / fast.
+"""The whole PPO step through vLLM, the invariant kernels against `--kernels fast`, in one run of this script: `zerokl
+ppo` on one config twice, one process each, one after the other on the same machine (in one process the second run
+met the first's GPU memory still held: out of memory on an H100), then each phase's median over the steps after the
+first (which compiles and warms) and the ratio invariant / fast.
 
     python bench/ppo_step.py --config configs/ppo-1b.yaml --steps 6 --out /tmp/ppo-step --json OUT.json
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 PHASES = ("time_gen", "time_ref", "time_old_logprob", "time_update", "time_sync")
@@ -22,11 +25,10 @@ KERNEL_SETS = ("invariant", "fast")
 
 
 def _run(config: str, kernels: str, steps: int, out: Path) -> list[dict]:
-    """One `zerokl ppo` run in this process; its metrics lines."""
-    from zerokl.cli import main
-
-    code = main(["ppo", "--config", config, "--steps", str(steps), "--out", str(out), "--kernels", kernels,
-                 "--on-mismatch", "warn", "--wandb", "disabled"])
+    """One `zerokl ppo` run in its own process (its output passed through); its metrics lines."""
+    code = subprocess.run([sys.executable, "-m", "zerokl.cli", "ppo", "--config", config, "--steps", str(steps),
+                           "--out", str(out), "--kernels", kernels, "--on-mismatch", "warn", "--wandb", "disabled"],
+                          check=False).returncode
     if code != (1 if kernels == "fast" else 0):  # a run with a mismatch exits 1, after its last step
         raise SystemExit(f"zerokl ppo --kernels {kernels} exited {code}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
