@@ -7,7 +7,7 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 
 | op | module | what pins invariance |
 |---|---|---|
-| linear (+ LoRA) | `linear.py` | one K order per (K, dtype): fixed K segments added in order; the 64- and 128-row tiles give equal bits (GPU test) |
+| linear (+ LoRA) | `linear.py` | one K order per (K, dtype): fixed K segments added in order (a row-parallel weight's: 8 equal ones, which a TP rank forms alone); the 64- and 128-row tiles give equal bits (GPU test) |
 | rmsnorm, gated_rmsnorm, l2norm, sigmoid, GLUs, KDA gate | `rowwise.py` | one row per fixed-width reduction; element-wise ops |
 | short_conv | `conv.py` | W products added in a fixed order, state read by position |
 | kda | `kda.py` | chunk grid anchored at 0, state at chunk boundaries, pending chunk recomputed |
