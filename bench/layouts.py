@@ -2,8 +2,7 @@
 
 Layouts: TP in {1, 2, 4, 8} x EP in {1, 2, 4, 8} x DP in {1, 2} with world size W = TP * DP <= --max-world, EP
 dividing W (Megatron folds EP into the TP x DP ranks, expert TP 1: `trainer.megatron.parallel`) and sizes the config
-divides (`trainer.megatron.sharding.check_divisible`); on the Triton kernels (CUDA, or --kernels triton) EP = 1 only:
-the trainer refuses expert parallelism there (their grouped expert op adds a token's expert outputs in one call).
+divides (`trainer.megatron.sharding.check_divisible`), on either kernel family.
 
 Invariants (exit 1 if one fails):
 1. forward: the trainer's log-probs of a fixed global batch (seeded sequences of uneven lengths) are bitwise equal
@@ -90,7 +89,7 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 from parity.compare import SequenceLogprobs, compare  # noqa: E402
 from parity.config import ModelConfig, TextConfig  # noqa: E402
 from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
-from parity.kernels import get_kernels, runs_triton  # noqa: E402
+from parity.kernels import get_kernels  # noqa: E402
 from parity.model import K3Forward, K3Weights, score_sequences  # noqa: E402
 from parity.sync.bundle import checksums as tensor_checksums  # noqa: E402
 from parity.weights import master_weights, serving_weights  # noqa: E402
@@ -129,12 +128,11 @@ class Layout:
         return cls(tp, ep, dp)
 
 
-def layouts(text: TextConfig, max_world: int, triton: bool) -> list[Layout]:
-    """Every layout that fits `max_world` ranks and the config, by world size, then TP, then EP; on the Triton kernels
-    (`triton`) none with EP > 1, which the trainer refuses there (`trainer.megatron.config.k3_transformer_config`)."""
+def layouts(text: TextConfig, max_world: int) -> list[Layout]:
+    """Every layout that fits `max_world` ranks and the config, by world size, then TP, then EP."""
     out = []
     for tp, ep, dp in itertools.product(SIZES, SIZES, DP_SIZES):
-        if tp * dp > max_world or (tp * dp) % ep or (triton and ep > 1):
+        if tp * dp > max_world or (tp * dp) % ep:
             continue
         try:
             check_divisible(text, tp, ep)
@@ -531,10 +529,8 @@ def driver(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed, dtype=args.dtype)
         cfg, _ = load_checkpoint(ckpt)
-        triton = runs_triton(args.kernels, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        todo = layouts(cfg.text, max_world, triton)
-        print(f"{len(todo)} layouts on up to {max_world} ranks: {' '.join(lay.tag for lay in todo)}"
-              f"{' (Triton kernels: no EP > 1, which the trainer refuses there)' if triton else ''}", flush=True)
+        todo = layouts(cfg.text, max_world)
+        print(f"{len(todo)} layouts on up to {max_world} ranks: {' '.join(lay.tag for lay in todo)}", flush=True)
         results: list[dict[str, Any]] = []
 
         def on_result(r: dict[str, Any]) -> None:

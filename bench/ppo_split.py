@@ -47,7 +47,7 @@ sys.path.insert(0, str(BENCH))
 from ppo_gpu import generate, prompts_for, reward  # noqa: E402
 
 from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
-from parity.kernels import get_kernels, runs_triton  # noqa: E402
+from parity.kernels import get_kernels  # noqa: E402
 from parity.model import K3Forward, K3Weights  # noqa: E402
 from parity.sync.bundle import TensorStore, WeightBundle  # noqa: E402
 from parity.sync.group import StandaloneGroup, free_port  # noqa: E402
@@ -233,9 +233,6 @@ def driver(args: argparse.Namespace) -> int:
         raise SystemExit(f"{k} trainer + {r} rollout ranks need {k + r} GPUs; this host has {torch.cuda.device_count()}")
     if k % args.tp or k % args.ep:
         raise SystemExit(f"--trainer-ranks {k} must be divisible by --tp {args.tp} and --ep {args.ep}")
-    if args.ep > 1 and runs_triton(args.kernels, torch.device("cuda" if cuda() else "cpu")):
-        raise SystemExit(f"--ep {args.ep} with the Triton kernels (--kernels {args.kernels} on this host) is not built: "
-                         "their grouped expert op adds a token's expert outputs in one call; use --ep 1")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(args.checkpoint) if args.checkpoint else \
             init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed, dtype=args.dtype)

@@ -25,13 +25,16 @@ class ExpertWeights:
         Hook: an expert-parallel engine overrides this to run the experts it owns and exchange rows."""
         e = range(self.cfg.num_experts or 0)
         if self.k.experts is not None:
-            c = self.cfg
-            beta, linear_beta = (c.situ_beta or 1.0, c.situ_linear_beta) if c.hidden_act == "situ" else (1.0, None)
             stacked = [self._expert_stack(p, w, e) for w in ("w1", "w3", "w2")]
-            return self.k.experts(x, ids, weights, *stacked, "situ" if c.hidden_act == "situ" else "silu", beta,
-                                  linear_beta)
+            return self.k.experts(x, ids, weights, *stacked, *self._experts_activation())
         return experts_combine(x, ids, weights, *(self.expert_weights(p, w, e) for w in ("w1", "w3", "w2")),
                                self.k.linear, self._act)
+
+    def _experts_activation(self) -> tuple[str, float, float | None]:
+        """(activation, beta, linear_beta) as the grouped `experts` op takes them: SiTU with the config's soft-clips,
+        or SiLU."""
+        c = self.cfg
+        return ("situ", c.situ_beta or 1.0, c.situ_linear_beta) if c.hidden_act == "situ" else ("silu", 1.0, None)
 
     def expert_weights(self, p: str, w: str, experts: range) -> list[torch.Tensor | MXFP4Weight]:
         """`weight` of the experts' `w` ("w1", "w3" or "w2") in MoE block `p`, one per expert."""

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.io.checkpoint import load_checkpoint
 from zerokl.cli import main
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
@@ -67,7 +66,7 @@ def test_child_engine_and_trainer_bitwise_with_prefix_hits(micro: Path) -> None:
     latents in place and restores the chunked KDA state from vLLM's state cache) sample the alone runs' tokens and
     log-probs bit for bit, which are the trainer's; and the trainer at TP = 2 (`--tp 2`'s scorer: two ranks, each
     row-parallel GEMM run whole on gathered rows, since the Triton GEMM's K segments are its own) scores them with the
-    same bits. Expert parallelism on these kernels is refused with a clear error."""
+    same bits."""
     from trainer.logprobs import PaddedBatch
     from zerokl.engine_check import ENGINE_ARGS, Checker, TensorParallelScorer
 
@@ -90,9 +89,3 @@ def test_child_engine_and_trainer_bitwise_with_prefix_hits(micro: Path) -> None:
         assert torch.equal(TensorParallelScorer(micro, 2, "triton", None).logprobs(batch, 1.0), scored)
     finally:
         checker.close()
-    from trainer.megatron.config import k3_transformer_config
-    from trainer.megatron.parallel import ParallelContext
-
-    par = ParallelContext(1, 0, 2, 0, 1, 0, None, None, False, torch.device("cpu"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="expert parallelism on the Triton kernels"):
-        k3_transformer_config(load_checkpoint(micro)[0], par, "triton")

@@ -557,6 +557,40 @@ def test_experts_gradient_within_its_rounding_bound_of_float64(p: Platform, dtyp
         assert_bits(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_experts_split_over_owners_have_the_grouped_ops_bits(p: Platform, dtype: torch.dtype) -> None:
+    """Expert parallelism's pieces in one process: each of two owners runs `expert_outputs` on the (token, slot) rows
+    of the experts it owns (grouped by owner, slot order kept, as the all-to-all delivers them), and `combine_slots`
+    weights and adds a token's slots: the output, the routing weights' and the experts' gradients equal the grouped
+    `experts` call's bit for bit; x's gradient (each row's rounded, then summed over its slots) within the bound of
+    its arithmetic against float64 (fp32)."""
+    from parity.kernels.triton.moe_grad import combine_slots, experts_grad_reference, expert_outputs
+
+    n, e, k, lat, inter = 9, 8, 3, 64, 48
+    inputs, ids, cot = _experts_case(n, e, k, lat, inter, dtype, seed=4)
+    on, p_ids, p_cot = [p.t(t) for t in inputs], p.t(ids), p.t(cot)
+    whole = _experts_grads(p, on, p_ids, p_cot, "situ", 25.0)
+    leaves = [t.detach().requires_grad_() for t in on]
+    x, wts, w1, w3, w2 = leaves
+    slots = p_ids.reshape(-1)
+    per_owner = e // 2
+    order = torch.argsort(slots // per_owner, stable=True)
+    rows, local = x[order // k], (slots[order] % per_owner).unsqueeze(1)
+    mine = [slots[order] // per_owner == r for r in range(2)]
+    y = torch.cat([expert_outputs(rows[m], local[m], w1[r * per_owner:(r + 1) * per_owner],
+                                  w3[r * per_owner:(r + 1) * per_owner], w2[r * per_owner:(r + 1) * per_owner],
+                                  "situ", 4.0, 25.0) for r, m in enumerate(mine)])
+    out = combine_slots(y[torch.argsort(order)], wts, dtype)
+    assert_bits(out, p.k.experts(*on[:1], p_ids, *on[1:], "situ", 4.0, 25.0))
+    split = list(torch.autograd.grad(out, leaves, p_cot))
+    for a, b in zip(split[1:], whole[1:]):
+        assert_bits(a, b)
+    if dtype == torch.float32:
+        args = (inputs[0], ids, *inputs[1:], cot, "situ", 4.0, 25.0)
+        _assert_within_rounding(split, experts_grad_reference(*args),
+                                experts_grad_reference(*args, magnitudes=True), dtype, n, k, lat, inter)
+
+
 @pytest.mark.parametrize("n", [256, 1000])
 def test_gpu_experts_gradient_at_k3_1b_shapes(gpu: Platform, n: int) -> None:
     """At k3-1b's routed-expert shapes (64 experts, top 8, latent 768, intermediate 512), bf16: the Triton backward

@@ -14,7 +14,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parity.config import ModelConfig
-from parity.kernels import KERNEL_SETS, runs_triton
+from parity.kernels import KERNEL_SETS
 from trainer.megatron.parallel import ParallelContext
 from trainer.megatron.sharding import check_divisible
 
@@ -38,12 +38,7 @@ def k3_transformer_config(model_cfg: ModelConfig, par: ParallelContext, kernels:
                           params_dtype: torch.dtype = torch.float32) -> K3TransformerConfig:
     """The trainer's config for `model_cfg` at `par`'s TP/EP sizes; fp32 master parameters unless asked."""
     t = model_cfg.text
-    triton = runs_triton(kernels, par.device)
     check_divisible(t, par.tp, par.ep)
-    if par.ep > 1 and triton:
-        raise ValueError(f"expert parallelism on the Triton kernels (kernels {kernels!r} on {par.device.type}) is not "
-                         "built: their grouped expert op adds a token's expert outputs inside one call, which an "
-                         "expert-parallel split would have to follow; use ep = 1 (tensor and data parallelism work)")
     moe = {}
     if t.num_experts is not None:
         moe = dict(

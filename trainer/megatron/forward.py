@@ -17,8 +17,10 @@ mappings, so that each token's log-prob keeps the bits of the one-process forwar
 - routed experts (EP > 1): each (token, slot) row goes to the EP rank owning its expert (all-to-all), which
   forms weight * expert(row) with `experts_combine` (one slot per row, so each product is the one the
   one-process combine forms); the products come back and are added in slot order j = 0..k-1, the order of
-  `experts_combine`. With TP > 1 too, each TP rank dispatches a contiguous share of the tokens. Not on the Triton
-  kernels, whose grouped expert op adds a token's products inside one call (`k3_transformer_config` refuses it).
+  `experts_combine`. With TP > 1 too, each TP rank dispatches a contiguous share of the tokens. On the Triton
+  kernels the owner forms each row's unweighted fp32 expert output (`expert_outputs`: the grouped op's GEMMs, whose
+  rows are independent), and the token's rank weights and adds its slots with the grouped op's own combine kernel
+  (`combine_slots`): the bits of the one-process grouped `experts` call.
 
 Gradients: inside a TP region (a KDA/MLA block or a gated MLP) each rank back-propagates its heads only, so
 the region input and the region's replicated parameters are entered through `copy_to` (gradient summed over
@@ -60,7 +62,6 @@ from parity.kernels.primitives import wide
 from parity.kernels.moe import experts_combine
 from parity.caches import KDACache, MLACache
 from parity.model import K3Forward, K3Weights
-from trainer.megatron.row_segments import row_segments
 from trainer.megatron.sharding import Split, lora_splits, split_of, split_roles
 
 if TYPE_CHECKING:
@@ -201,6 +202,8 @@ class ParallelK3Forward(K3Forward):
         if self.k.name == "fast":  # (x_r A_r^T) B^T summed over r is the whole LoRA term
             return reduce_from_tensor_model_parallel_region(self.k.linear(x, w, lora), group=self.tp_group)
         if runs_triton(self.k.name, x.device):
+            from trainer.megatron.row_segments import row_segments  # imports Triton: only where it runs
+
             return row_segments(x, w, lora, k_segments(k_local * self.tp), self.tp, self.tp_group)
         segments = k_segments(k_local * self.tp) // self.tp
         x2 = wide(x.reshape(-1, k_local))
@@ -246,7 +249,8 @@ class ParallelK3Forward(K3Forward):
 
     def _dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, p: str) -> torch.Tensor:
         """Expert parallel: send each (token, slot) row to the EP rank owning its expert, get back
-        weight * expert(row), add a token's k products in slot order (as `experts_combine` does)."""
+        weight * expert(row), add a token's k products in slot order (as `experts_combine` does); on the Triton
+        kernels get back expert(row) and combine as the grouped op does."""
         n, k = ids.shape
         per_rank = self.num_experts // self.ep
         slot_ids = ids.reshape(-1)  # slot s = token * k + j
@@ -264,6 +268,13 @@ class ParallelK3Forward(K3Forward):
         row_w = exchange(weights.reshape(-1)[order].unsqueeze(1), recv_sizes, send_sizes)  # [M, 1]
         row_ids = exchange(slot_ids[order].unsqueeze(1), recv_sizes, send_sizes) - self.ep_rank * per_rank
         owned = range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+        if runs_triton(self.k.name, x.device):  # each row's unweighted fp32 output; the grouped op's combine at home
+            from parity.kernels.triton.moe_grad import combine_slots, expert_outputs  # imports Triton
+
+            stacked = (self._expert_stack(p, w, owned) for w in ("w1", "w3", "w2"))
+            y = expert_outputs(rows, row_ids, *stacked, *self._experts_activation())
+            back = exchange(y, send_sizes, recv_sizes)  # [N * k, L] in `order`
+            return combine_slots(back[torch.argsort(order)], weights, x.dtype)
         experts = (self.expert_weights(p, w, owned) for w in ("w1", "w3", "w2"))
         products = experts_combine(rows, row_ids, row_w, *experts, self.k.linear,
                                    self._act)  # [M, L]: row_w * expert(row), the product experts_combine forms

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from parity.config import ConfigError, load_model_config
-from parity.kernels import KERNEL_SETS, get_kernels, platform_device, runs_triton
+from parity.kernels import KERNEL_SETS, get_kernels, platform_device
 from parity.kernels.logprobs import Sampling
 from trainer.backend import BACKENDS, DEFAULT_ZERO_STAGE, ZERO_STAGES
 from zerokl.tasks import make_task, resolve_paths
@@ -303,7 +303,7 @@ class PPOConfig:
             raise ConfigError(f"ppo config: lora_alpha must be > 0, got {self.lora_alpha}")
 
     def _check_model_parallel(self) -> None:
-        """tp and ep: at least 1; above 1 only on the megatron backend, and EP only off the Triton kernels."""
+        """tp and ep: at least 1; above 1 only on the megatron backend."""
         for name in ("tp", "ep"):
             _at_least(name, getattr(self, name), 1)
         split = [f"{name}: {getattr(self, name)}" for name in ("tp", "ep") if getattr(self, name) > 1]
@@ -312,9 +312,6 @@ class PPOConfig:
         refused = {
             f"backend: {self.backend}": (self.backend != "megatron", "DeepSpeed partitions with ZeRO over data-parallel "
                                          "ranks only"),
-            f"kernels: {self.kernels}": (self.ep > 1 and runs_triton(self.kernels, platform_device()),
-                                         "the Triton grouped expert op adds a token's expert products inside one call, "
-                                         "which products formed on other ranks would not reproduce"),
         }
         for what, (given, why) in refused.items():
             if given:

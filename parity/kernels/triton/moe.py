@@ -289,7 +289,17 @@ def experts_pass(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: 
     _down_kernel[(n_tiles, triton.cdiv(lat, bn))](
         h, w2, s2, y, order, t_exp, t_start, t_rows, lat, inter, h.stride(0), sw2_e, sw2_n, ss2_e, ss2_n, y.stride(0),
         BM=BLOCK_M, BN=bn, BK=bk, PREC=prec, INTERP=INTERPRET, W_MXFP4=packed, num_warps=4, num_stages=3)
-    br, bl, warps = row_blocks(min(lat, 1024))  # column tiles of at most 1024
-    _combine_kernel[(triton.cdiv(n, br), triton.cdiv(lat, bl))](y, weights.contiguous(), out, n, lat, k, BR=br, BL=bl,
-                                                                 num_warps=warps)
+    combine_into(out, y, weights)
     return out, kept
+
+
+def combine_into(out: torch.Tensor, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[n] = w[n, 0] y[n, 0] + w[n, 1] y[n, 1] + ... in fp32, rounded to out's dtype once; y: [N * k, L] fp32 by
+    slot (token n's slot j at row n k + j), weights: [N, k]. Returns out."""
+    n, k = weights.shape
+    lat = out.shape[1]
+    if n:
+        br, bl, warps = row_blocks(min(lat, 1024))  # column tiles of at most 1024
+        _combine_kernel[(triton.cdiv(n, br), triton.cdiv(lat, bl))](y.contiguous(), weights.contiguous(), out, n, lat,
+                                                                     k, BR=br, BL=bl, num_warps=warps)
+    return out

@@ -28,7 +28,7 @@ import triton.language as tl
 from parity.kernels.moe import expert_counts
 from parity.kernels.primitives import needs_grad
 from parity.kernels.triton._common import INTERPRET, dot_precision, mma, sigmoid_f32, tanh_f32
-from parity.kernels.triton.moe import BLOCK_M, ExpertsPass, _tile_rows, experts, experts_pass
+from parity.kernels.triton.moe import BLOCK_M, ExpertsPass, _tile_rows, combine_into, experts, experts_pass
 from parity.quant.mxfp4 import MXFP4Weight
 
 
@@ -217,6 +217,54 @@ def experts_trainable(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if not needs_grad(*tensors):
         return experts(x, ids, weights, w1, w3, w2, act, beta, linear_beta)
     return _GroupedExperts.apply(x, weights, w1, w3, w2, ids, (act, beta, linear_beta))
+
+
+class _ExpertOutputs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w1: Any, w3: Any, w2: Any, ids: torch.Tensor, spec: tuple) -> torch.Tensor:
+        ones = torch.ones(ids.shape, dtype=torch.float32, device=x.device)
+        ctx.kept = experts_pass(x, ids, ones, w1, w3, w2, *spec, keep=True)[1]
+        ctx.dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in (x, w1, w3, w2)]
+        return ctx.kept.y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        need = ctx.needs_input_grad
+        d_x, _, *dw = experts_grad(ctx.kept, g, (need[0], False, *need[1:4]))
+        out = tuple(None if t is None else t.to(dt) for t, dt in zip((d_x, *dw), ctx.dtypes))
+        return (*out, None, None)
+
+
+def expert_outputs(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor | MXFP4Weight, w3: torch.Tensor | MXFP4Weight,
+                   w2: torch.Tensor | MXFP4Weight, act: str, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """x: [R, L], ids: [R, 1] -> [R, L] fp32: each row's own expert output y = w2_e act(w1_e x, w3_e x), unweighted,
+    with the bits `experts` gives that (token, slot) (its rows are independent), differentiable through
+    `experts_grad` (g read as the weighted gradient weights * d out, which the slots' `combine_slots` returns). An
+    expert-parallel rank runs this on the rows dispatched to the experts it owns."""
+    return _ExpertOutputs.apply(x, w1, w3, w2, ids, (act, beta, linear_beta))
+
+
+class _CombineSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(y, weights)
+        return combine_into(torch.empty(weights.shape[0], y.shape[-1], dtype=dtype, device=y.device), y, weights)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        y, weights = ctx.saved_tensors
+        n, k = weights.shape
+        g = g.float()
+        dy = (weights.float().unsqueeze(-1) * g.unsqueeze(1)).reshape(n * k, -1) if ctx.needs_input_grad[0] else None
+        dw = (g.unsqueeze(1) * y.view(n, k, -1)).sum(-1).to(weights.dtype) if ctx.needs_input_grad[1] else None
+        return dy, dw, None
+
+
+def combine_slots(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y: [N * k, L] fp32 expert outputs by slot (`expert_outputs`, gathered back to the tokens' rank), weights:
+    [N, k] -> [N, L] in `dtype`: the grouped `experts` op's combine, so the bits of `experts` on the whole batch;
+    differentiable (d y = weights * g in fp32, d weights = <g, y>: `experts_grad`'s)."""
+    return _CombineSlots.apply(y, weights, dtype)
 
 
 def experts_grad_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
