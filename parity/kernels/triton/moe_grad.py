@@ -151,6 +151,11 @@ def _weight_grad(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, counts:
     return out
 
 
+def _routing_weight_grad(g: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    """d weights[n, j] = <g_n, y_(n, j)> for g: [N, L] fp32 and the slots' fp32 outputs y: [N * k, L] -> [N, k]."""
+    return (g.unsqueeze(1) * y.view(g.shape[0], k, -1)).sum(-1)
+
+
 def experts_grad(kept: ExpertsPass, g: torch.Tensor, need: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
     """(d x, d weights, d w1, d w3, d w2) of one `experts_pass` for g = d loss / d out ([N, L]), each in its
     input's dtype (None where `need`, in that order, is False; packed weights get none)."""
@@ -160,7 +165,7 @@ def experts_grad(kept: ExpertsPass, g: torch.Tensor, need: tuple[bool, ...]) -> 
     g = g.float()
     order = kept.order
     tok = order // k
-    d_weights = (g.unsqueeze(1) * kept.y.view(n, k, lat)).sum(-1) if need[1] else None
+    d_weights = _routing_weight_grad(g, kept.y, k) if need[1] else None
     gy = (kept.weights.reshape(-1).float()[order].unsqueeze(1) * g[tok]).to(dtype)  # by sorted position
     w1, w3, w2 = (_dense(w, dtype) for w in (kept.w1, kept.w3, kept.w2))
     ga1, ga3 = (torch.empty(n * k, inter, dtype=dtype, device=x.device) for _ in range(2))
@@ -256,7 +261,7 @@ class _CombineSlots(torch.autograd.Function):
         n, k = weights.shape
         g = g.float()
         dy = (weights.float().unsqueeze(-1) * g.unsqueeze(1)).reshape(n * k, -1) if ctx.needs_input_grad[0] else None
-        dw = (g.unsqueeze(1) * y.view(n, k, -1)).sum(-1).to(weights.dtype) if ctx.needs_input_grad[1] else None
+        dw = _routing_weight_grad(g, y, k).to(weights.dtype) if ctx.needs_input_grad[1] else None
         return dy, dw, None
 
 
