@@ -60,8 +60,13 @@ class MLACache:
 
 
 def _appended(buf: torch.Tensor, new: torch.Tensor, length: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """`buf` [B, S, D] with `new[b, :lens[b]]` written from `length[b]` on, grown as needed."""
-    b, _, d = new.shape
+    """`buf` [B, S, D] with `new[b, :lens[b]]` written from `length[b]` on, grown as needed; zeros elsewhere past
+    each row's end. Into an empty buffer (S = 0, so every `length` is 0: a whole forward's one append, the trainer's)
+    nothing is read back to the host: the result is `new` [B, T, D] with each row's positions past lens[b] zeroed."""
+    b, t, d = new.shape
+    if buf.shape[1] == 0:
+        valid = torch.arange(t, device=new.device) < lens.view(b, 1)
+        return new.to(buf.dtype).masked_fill(~valid.unsqueeze(-1), 0)
     need = int((length + lens).max()) if b else 0
     if need > buf.shape[1]:
         grown = buf.new_zeros(b, need, d)

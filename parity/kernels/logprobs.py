@@ -25,8 +25,11 @@ from parity.kernels.primitives import wide
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits (bf16 ones upcast first, as vLLM's sampler does) divided by T as an fp32 value."""
-    return wide(logits).contiguous() / torch.tensor(temperature, dtype=torch.float32)
+    """fp32 logits (bf16 ones upcast first, as vLLM's sampler does) divided by T as an fp32 tensor on the logits'
+    device (true division, as vLLM's per-request temperatures on the device; a CPU scalar would make CUDA multiply by
+    its reciprocal), made by a fill: no host-to-device copy."""
+    z = wide(logits).contiguous()
+    return z / torch.full((), temperature, dtype=torch.float32, device=z.device)
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,13 @@ def as_sampling(sampling: float | Sampling) -> Sampling:
 
 def processed_logits(logits: torch.Tensor, sampling: float | Sampling) -> torch.Tensor:
     """logits [N, V] -> the fp32 logits vLLM's CPU sampler draws from: / temperature, then -inf outside min-p, top-k
-    and top-p, each with vLLM's ops and dtypes (thresholds as fp32 tensors, as vLLM holds them per request)."""
+    and top-p, each with vLLM's ops and dtypes (thresholds as fp32 tensors filled on the device, as vLLM holds them per request)."""
     s = as_sampling(sampling)
     z = _scaled(logits, s.temperature)
     f32 = dict(dtype=torch.float32, device=z.device)
     if s.min_p:  # MinPLogitsProcessor.apply
         probs = torch.softmax(z, dim=-1)
-        floor = torch.amax(probs, dim=-1, keepdim=True) * torch.tensor(s.min_p, **f32)
+        floor = torch.amax(probs, dim=-1, keepdim=True) * torch.full((), s.min_p, **f32)
         z = z.masked_fill(probs < floor, float("-inf"))
     top_k = s.top_k if s.top_k is not None and s.top_k < z.shape[-1] else None
     top_p = s.top_p if s.top_p is not None and s.top_p < 1 else None
@@ -84,7 +87,7 @@ def processed_logits(logits: torch.Tensor, sampling: float | Sampling) -> torch.
     if top_k is not None:
         zs = zs.masked_fill(zs < zs[:, -top_k:-top_k + 1 or None], float("-inf"))
     cum = torch.cumsum(zs.softmax(dim=-1), dim=-1)
-    drop = cum <= 1 - torch.tensor(top_p, **f32)
+    drop = cum <= 1 - torch.full((), top_p, **f32)
     drop[:, -1] = False
     return z.scatter(-1, order, zs.masked_fill(drop, float("-inf")))
 
