@@ -94,8 +94,8 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     hidden = fwd.hidden(input_ids, pos, lens, new_cache(fwd.cfg, b, fwd.dtype), embeds=embeds)
     logits = fwd.logits(hidden[:, :-1])
     lp = fwd.token_logprobs(logits, input_ids[:, 1:], temperature)  # [B, T-1]
-    scored = torch.arange(t - 1).view(1, -1) < (lens - 1).view(-1, 1)
-    zero = torch.zeros((), dtype=lp.dtype)
+    scored = torch.arange(t - 1, device=lp.device).view(1, -1) < (lens - 1).view(-1, 1)
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     out = [F.pad(torch.where(scored, lp, zero), (0, 1))]
     if raw:
         out.append(F.pad(torch.where(scored, fwd.token_logprobs(logits, input_ids[:, 1:], 1.0), zero), (0, 1)))
@@ -114,7 +114,7 @@ def next_token_entropy(logits: torch.Tensor, temperature: float | Sampling) -> t
     z = processed_logits(logits.reshape(-1, logits.shape[-1]), temperature).view(logits.shape)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
-    return -(p * torch.where(p > 0, logp, torch.zeros((), dtype=p.dtype))).sum(dim=-1)  # no 0 * -inf, also in grads
+    return -(p * torch.where(p > 0, logp, torch.zeros((), dtype=p.dtype, device=p.device))).sum(dim=-1)  # no 0 * -inf, also in grads
 
 
 def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch,

@@ -59,9 +59,9 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         key_pos = torch.arange(start, start + KV_TILE, device=dev).view(1, 1, KV_TILE)
         visible = (key_pos <= pos) & (key_pos < lens)  # [N, Q_TILE, KV_TILE]
         key_ok = (key_pos < lens).view(-1, KV_TILE, 1)
-        vt = torch.where(key_ok, vt, torch.zeros((), dtype=vt.dtype))
+        vt = torch.where(key_ok, vt, torch.zeros((), dtype=vt.dtype, device=vt.device))
         s = torch.bmm(qt, kt.transpose(1, 2)) * scale
-        s = torch.where(visible, s, torch.full((), float("-inf")))
+        s = torch.where(visible, s, torch.full((), float("-inf"), device=s.device))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - m_safe)
@@ -99,10 +99,10 @@ class _Attention(torch.autograd.Function):
         visible = _visible(q_pos, kv_len, k.shape[1])
         key_pos = torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1)
         key_ok = key_pos < kv_len.view(-1, 1, 1, 1)  # stale cache rows: zeroed
-        zero = torch.zeros((), dtype=q.dtype)
+        zero = torch.zeros((), dtype=q.dtype, device=q.device)  # a CPU scalar would be copied over: a sync
         kh, vh = torch.where(key_ok, kh, zero), torch.where(key_ok, vh, zero)
         s = torch.matmul(qh, kh.transpose(2, 3)) * scale
-        p = torch.where(visible, torch.exp(s - lse.unsqueeze(-1)), torch.zeros((), dtype=s.dtype))
+        p = torch.where(visible, torch.exp(s - lse.unsqueeze(-1)), torch.zeros((), dtype=s.dtype, device=s.device))
         dv = torch.matmul(p.transpose(2, 3), doh)
         dp = torch.matmul(doh, vh.transpose(2, 3))
         ds = p * (dp - (doh * oh).sum(-1, keepdim=True)) * scale

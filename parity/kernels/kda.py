@@ -87,7 +87,7 @@ def _step_backward(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     dg = a * torch.einsum("bhkv,bhkv->bhk", d_s1, s)
     if keep is not None:  # a padding token: state passed through, no input gradient
         k4, k3, k2 = keep.view(-1, 1, 1, 1), keep.view(-1, 1, 1), keep.view(-1, 1)
-        zero = torch.zeros((), dtype=ds.dtype)
+        zero = torch.zeros((), dtype=ds.dtype, device=ds.device)
         ds = torch.where(k4, ds, ds_next)
         dq, dk, dg = (torch.where(k3, t, zero) for t in (dq, dk, dg))
         dv, dbeta = torch.where(k3, dv, zero), torch.where(k2, dbeta, zero)
