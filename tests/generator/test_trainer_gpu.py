@@ -46,15 +46,15 @@ def test_gpu_trainer_step_reads_nothing_back_to_the_host(config: str, tmp_path: 
     def loss_fn(model: torch.nn.Module) -> torch.Tensor:
         return model(ids, lens, 1.0).sum() / ids.numel()
 
-    try:
-        with torch.device("cuda"):
-            backend.train_step(loss_fn)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                total, norm = queue_train_step(backend.trainer, loss_fn)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+    try:  # no CUDA default device around the steps: the trainer runs without one (under one, Adam would make its
+        # step counters CUDA tensors and read them back each step, which the PPO loop's optimizer never does)
+        backend.train_step(loss_fn)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            total, norm = queue_train_step(backend.trainer, loss_fn)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         assert total.is_cuda and norm.is_cuda and bool(torch.isfinite(total)) and float(norm) > 0
     finally:
         backend.close()

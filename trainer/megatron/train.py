@@ -111,7 +111,8 @@ def queue_train_step(trainer: Trainer, *loss_fns: Callable[[DistributedDataParal
         loss.backward()
         total = total + loss.detach().double()
     finalize_model_grads([trainer.model])
-    ok, grad_norm, _ = trainer.optimizer.step()
+    with torch.device("cpu"):  # whatever the caller's default device: Adam makes its step counters host scalars,
+        ok, grad_norm, _ = trainer.optimizer.step()  # which it reads every step (a CUDA one would be a sync each)
     if not ok:
         raise RuntimeError("Megatron optimizer step reported failure")
     return total, grad_norm
