@@ -65,7 +65,7 @@ def test_child_engine_and_trainer_bitwise_with_prefix_hits(micro: Path) -> None:
     trainer's. Then prefix-cache hits inside a cache block and inside a KDA chunk (the warm run reads the cached FP8
     latents in place and restores the chunked KDA state from vLLM's state cache) sample the alone runs' tokens and
     log-probs bit for bit, which are the trainer's; and the trainer at TP = 2 (`--tp 2`'s scorer: two ranks, each
-    row-parallel GEMM run whole on gathered rows, since the Triton GEMM's K segments are its own) scores them with the
+    forming its half of a row-parallel GEMM's fixed K segments, `trainer.megatron.row_segments`) scores them with the
     same bits."""
     from trainer.logprobs import PaddedBatch
     from zerokl.engine_check import ENGINE_ARGS, Checker, TensorParallelScorer
