@@ -35,7 +35,7 @@ PPO_REFERENCE_CONFIG = "configs/ppo-tiny-mxfp4.yaml"  # the run the PPO modules 
 PPO_REFERENCE_CHECKPOINTS = (2, 4)
 # "ok" lines tests/dist/trainer_parallel.py prints on success (two modules run it:
 # tests/trainers/test_trainer_parallel.py and tests/engines/test_kimi_linear_engines.py)
-TRAINER_PARALLEL_CHECKS = 11
+TRAINER_PARALLEL_CHECKS = 12
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,10 @@ def main() -> None:
     check(exported.keys() == weights.keys() and all(
         exported[n].dtype == weights[n].dtype and torch.equal(exported[n], weights[n]) for n in weights),
         f"{tag}: load then export returns every checkpoint tensor bit for bit")
+    onto0 = export_official(model, onto_rank0=True)
+    check(onto0.keys() == (exported.keys() if dist.get_rank() == 0 else set()) and all(
+        onto0[n].dtype == exported[n].dtype and torch.equal(onto0[n], exported[n]) for n in onto0),
+        f"{tag}: exported onto rank 0 alone, the same tensors bit for bit; nothing on the other ranks")
 
     seqs = sequences(par.dp_rank)
     batch = PaddedBatch.from_sequences(seqs)

@@ -64,7 +64,8 @@ class MegatronBackend(TrainerBackend):
         return train_step(self.trainer, *loss_fns)
 
     def export_official(self) -> dict[str, torch.Tensor]:
-        return export_official(self.trainer.module, compute_dtype=True)
+        """`TrainerBackend.export_official`: gathered onto rank 0 alone (`onto_rank0`), {} on the other ranks."""
+        return export_official(self.trainer.module, compute_dtype=True, onto_rank0=True)
 
     def export_adapter(self) -> Adapter | None:
         return export_adapter(self.trainer.module)

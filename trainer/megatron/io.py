@@ -198,14 +198,29 @@ def load_official_dir(model: MegatronK3Model, path: str | Path) -> list[str]:
     return load_rank_shards(model, open_checkpoint(path))
 
 
-def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, onto_first: bool) -> torch.Tensor | None:
+    """The group's parts of a tensor concatenated along `dim` in group-rank order: on every member, or with
+    `onto_first` on the group's first rank alone (None on the others)."""
     parts = [torch.empty_like(t) for _ in range(group.size())]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    if not onto_first:
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+    first = dist.get_global_rank(group, 0)
+    mine = dist.get_rank() == first
+    dist.gather(t.contiguous(), parts if mine else None, dst=first, group=group)
+    return torch.cat(parts, dim=dim) if mine else None
 
 
-def export_official(model: MegatronK3Model, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor, whole and in its checkpoint dtype, on every rank (collective: all ranks call).
+def _holds_rank0(group: dist.ProcessGroup) -> bool:
+    """Whether global rank 0 is in `group` (its first member: Megatron's groups list their ranks in order)."""
+    return dist.get_global_rank(group, 0) == 0
+
+
+def export_official(model: MegatronK3Model, compute_dtype: bool = False,
+                    onto_rank0: bool = False) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor, whole and in its checkpoint dtype, on every rank (collective: all ranks call); with
+    `onto_rank0`, on global rank 0 alone ({} on the others): each TP or EP group that holds rank 0 gathers onto it,
+    the other groups send nothing, so no other rank holds a whole tensor it does not own (the same bits on rank 0).
 
     compute_dtype: keep the trained tensors (text, and a trained vision tower) in the parameters' dtype (fp32 master
     weights) instead of casting to the checkpoint's storage dtype; weight sync into a rollout engine needs the exact
@@ -214,20 +229,30 @@ def export_official(model: MegatronK3Model, compute_dtype: bool = False) -> dict
     params = {n: p.detach() for n, p in model.official_parameters().items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
+    if onto_rank0 and not (_holds_rank0(tp_group) or _holds_rank0(ep_group)):
+        return {}
     owned = local_experts(model.config)
     full: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
     for name, split in roles.items():
         if split is Split.EXPERT:
-            if name in full:
+            if name in done or (onto_rank0 and not _holds_rank0(ep_group)):
                 continue
             template = _EXPERT_INDEX.sub(".experts.{}.", name)
             mine = torch.stack([params[template.format(e)] for e in owned])  # [experts here, ...]
-            for e, t in enumerate(_gather(mine, 0, ep_group)):  # EP ranks own consecutive ranges, in rank order
+            gathered = _gather(mine, 0, ep_group, onto_rank0)  # EP ranks own consecutive ranges, in rank order
+            done.update(template.format(e) for e in range(mine.shape[0] * ep_group.size()))
+            for e, t in enumerate([] if gathered is None else gathered):
                 full[template.format(e)] = t
         elif split.tp_dim is not None:
-            full[name] = _gather(params[name], split.tp_dim, tp_group)
+            if not onto_rank0 or _holds_rank0(tp_group):
+                gathered = _gather(params[name], split.tp_dim, tp_group, onto_rank0)
+                if gathered is not None:
+                    full[name] = gathered
         else:
             full[name] = params[name]
+    if onto_rank0 and dist.get_rank() != 0:
+        return {}
     full.update({n: p.detach() for n, p in model.vision_parameters().items()})
     out = {n: full[n] if compute_dtype else full[n].to(model.storage_dtypes[n]) for n in [*roles, *model.vision_parameters()]}
     out.update(model.passthrough)
@@ -236,7 +261,7 @@ def export_official(model: MegatronK3Model, compute_dtype: bool = False) -> dict
 
 def save_official(model: MegatronK3Model, out: str | Path) -> Path:
     """Export and write an official checkpoint directory from rank 0 (collective: all ranks call)."""
-    weights = export_official(model)
+    weights = export_official(model, onto_rank0=True)
     path = Path(out)
     if dist.get_rank() == 0:
         save_checkpoint(model.config.k3, weights, path)
