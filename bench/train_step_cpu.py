@@ -40,7 +40,7 @@ def _child(checkpoint: str, kernels: str, batch: int, seq_len: int, repeats: int
     torch.manual_seed(0)
     seqs = torch.randint(4, 1000, (batch, seq_len)).tolist()
     data = PaddedBatch.from_sequences(seqs)
-    backend = build_backend("megatron", checkpoint, lr=1e-5, kernels=kernels)
+    backend = build_backend(checkpoint, lr=1e-5, kernels=kernels)
 
     def loss_fn(model):  # noqa: ANN001 - the backend's model: (ids, lens, temperature) -> log-probs [B, T]
         return -model(data.input_ids, data.lens, 1.0).mean()

@@ -260,7 +260,7 @@ class RolloutEngine:
         """Stop vLLM's worker process and the engine core, and remove staged weight updates. The core's teardown
         ends with `cleanup_dist_env_and_memory()` (`vllm/v1/engine/core.py:839`), which would destroy this process's
         torch.distributed state: the core made none here (the model and its process groups live in the worker), and
-        what there is belongs to the caller (a Megatron or DeepSpeed trainer), so that call is skipped."""
+        what there is belongs to the caller (the Megatron trainer), so that call is skipped."""
         from vllm.v1.engine import core
 
         cleanup = core.cleanup_dist_env_and_memory

@@ -1,9 +1,10 @@
-"""`TrainerBackend`: the one surface every trainer backend implements (`trainer/megatron/`, `trainer/deepspeed/`),
-for `zerokl parity check` and `zerokl ppo` (built through `trainer.backend.build_backend`).
+"""`TrainerBackend`: the surface `zerokl parity check` and `zerokl ppo` train and score through (the Megatron trainer,
+`trainer/megatron/`, built by `trainer.backend.build_backend`): what the PPO loop may ask of a trainer and nothing of
+its framework.
 
-Invariant: built from the same checkpoint (and adapter), the two backends give every token the same log-prob bits,
-the same (loss, grad norm) for the same `train_step`s, and the same exported weights, bit for bit. With an adapter
-(LoRA) only the adapter trains, the base stays the checkpoint's, and `export_weights` is the adapter.
+Invariant: built from the same checkpoint (and adapter), every token's log-prob has the shared forward's bits
+(`parity.model`), whatever the layout. With an adapter (LoRA) only the adapter trains, the base stays the
+checkpoint's, and `export_weights` is the adapter.
 
 Every method is collective: all ranks call it, in the same order. Whole tensors (exports) land on rank 0; other ranks
 get {} / None.
@@ -39,11 +40,11 @@ class TrainerBackend(ABC):
     name: str
     model_cfg: ModelConfig
     has_adapter: bool
-    trainer: Any  # the backend's own trainer (`trainer.megatron.train.Trainer` / `DeepSpeedTrainer`), for reaching past the seam
+    trainer: Any  # the backend's own trainer (`trainer.megatron.train.Trainer`), for reaching past the seam
 
     @property
     def model(self) -> Any:
-        """The wrapped model (Megatron DDP / DeepSpeed engine): every backend's trainer exposes it as `.model`."""
+        """The wrapped model (Megatron DDP): the backend's trainer exposes it as `.model`."""
         return self.trainer.model
 
     @property
@@ -128,8 +129,8 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def load_state(self, path: str | Path) -> None:
-        """Restore `save_state(path)` of a backend of the same kind, checkpoint, adapter config (and, for DeepSpeed,
-        ZeRO stage and world size); FileNotFoundError naming what is missing."""
+        """Restore `save_state(path)` of a backend built the same way (checkpoint, adapter config, layout);
+        FileNotFoundError naming what is missing."""
 
     @abstractmethod
     def _save_adapter(self, out: Path) -> None:

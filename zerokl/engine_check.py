@@ -1,5 +1,5 @@
 """`zerokl parity check` and `selftest`: sample with the real vLLM rollout engine, score the same token ids
-with a real trainer's forward (the Megatron or the DeepSpeed ZeRO backend, `trainer.backend`), compare every
+with a real trainer's forward (the Megatron trainer, `trainer.backend`), compare every
 sampled token's log-prob bit for bit.
 
 Batch mixes: `random` (all prompts in one engine call, shuffled), `alone` (one prompt per call), `both`
@@ -24,7 +24,6 @@ from parity.image import ImageEncoder
 from parity.kernels import get_kernels
 from parity.model import K3Forward, K3Weights
 from parity.io.checkpoint import load_checkpoint
-from trainer.backend import DEFAULT_ZERO_STAGE
 from rollout.sampling import ImagePrompt
 from zerokl.tasks import make_task
 
@@ -221,10 +220,9 @@ class Checker:
     """A rollout engine and a trainer model on the same checkpoint (and LoRA adapter), kept alive across checks."""
 
     def __init__(self, model: str | Path, kernels: str = "invariant", engine_args: dict[str, Any] | None = None,
-                 lora: str | Path | None = None, backend: str = "megatron", zero_stage: int = DEFAULT_ZERO_STAGE,
-                 tp: int = 1):
-        """`backend` / `zero_stage`: the trainer (`trainer.backend.build_backend`), in this one process; `tp` > 1:
-        the Megatron trainer at that tensor parallelism on `tp` local ranks (`TensorParallelScorer`). A checkpoint with
+                 lora: str | Path | None = None, tp: int = 1):
+        """The trainer: `trainer.backend.build_backend` in this one process; `tp` > 1: the Megatron trainer at that
+        tensor parallelism on `tp` local ranks (`TensorParallelScorer`). A checkpoint with
         a vision tower takes image prompts (`ImagePrompt`): the engine serves the tower, and the trainer's image rows
         come from the same tower."""
         from lora.adapter import load_adapter
@@ -238,12 +236,9 @@ class Checker:
         self.adapter = load_adapter(lora, self.cfg.text) if lora is not None else None
         self.tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
         if tp > 1:
-            if backend != "megatron":
-                raise ConfigError(f"--tp {tp} is Megatron tensor parallelism; the {backend} backend has none")
             self.backend = TensorParallelScorer(self.path, tp, kernels, lora)
         else:
-            self.backend = build_backend(backend, self.path, kernels=kernels, adapter=self.adapter,
-                                         zero_stage=zero_stage)
+            self.backend = build_backend(self.path, kernels=kernels, adapter=self.adapter)
         args = dict(engine_args or ENGINE_ARGS)
         if self.adapter is not None:
             ranks = [self.adapter.spec.rank(m) for m in self.adapter.weights]

@@ -23,7 +23,7 @@ POLL_S = 0.2
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """This process's environment plus what `torch.distributed`'s env:// rendezvous and DeepSpeed read."""
+    """This process's environment plus what `torch.distributed`'s env:// rendezvous reads."""
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
     return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),

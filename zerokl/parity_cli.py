@@ -1,8 +1,7 @@
 """`zerokl parity ...`: compare log-probs and say where they diverge.
 
-- `check`: sample with the vLLM rollout engine, score the same tokens with the trainer (`--backend megatron`, the
-  default, in this process or at `--tp N` on N local ranks; or `deepspeed` at `--zero-stage 2|3`, one process),
-  compare.
+- `check`: sample with the vLLM rollout engine, score the same tokens with the Megatron trainer (in this process, or
+  at `--tp N` on N local ranks), compare.
 - `selftest`: one-ulp weight perturbations on the rollout side only must be detected and localised.
 - `diff A.jsonl B.jsonl`: compare two dumps from any source (A is the rollout / behaviour side).
 - `kernels`: the CPU kernel invariances that rest on this host's BLAS and SIMD kernels, checked here.
@@ -18,7 +17,6 @@ from pathlib import Path
 
 from parity.compare import ParityReport, compare, format_report, load_dump
 from parity.config import ConfigError
-from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.argtypes import kernel_set, positive_int, temperature
 from parity.report import write_html
 
@@ -49,8 +47,7 @@ def _checker(args: argparse.Namespace, lora: str | None = None):
         engine_args["speculative_config"] = args.speculative
     if getattr(args, "enforce_eager", False):
         engine_args["enforce_eager"] = True
-    return Checker(args.model, kernels=args.kernels, engine_args=engine_args, lora=lora, backend=args.backend,
-                   zero_stage=_zero_stage(args), tp=getattr(args, "tp", 1))
+    return Checker(args.model, kernels=args.kernels, engine_args=engine_args, lora=lora, tp=getattr(args, "tp", 1))
 
 
 def _speculative(args: argparse.Namespace) -> None:
@@ -62,14 +59,6 @@ def _speculative(args: argparse.Namespace) -> None:
         return
     args.speculative = check_speculative(parse_speculative(args.speculative), load_model_config(args.model).text,
                                          args.kernels, "--speculative")
-
-
-def _zero_stage(args: argparse.Namespace) -> int:
-    """--zero-stage (default DEFAULT_ZERO_STAGE) with --backend deepspeed; refused with another backend, which would
-    ignore it."""
-    if args.backend != "deepspeed" and args.zero_stage is not None:
-        raise ConfigError(f"--zero-stage is only read with --backend deepspeed, not {args.backend}")
-    return DEFAULT_ZERO_STAGE if args.zero_stage is None else args.zero_stage
 
 
 def _prompts(args: argparse.Namespace) -> list:
@@ -89,7 +78,6 @@ def _prompts(args: argparse.Namespace) -> list:
 
 
 def _run_check(args: argparse.Namespace) -> int:
-    _zero_stage(args)  # refused before any file is read
     prompts = _prompts(args)
     _speculative(args)
     if getattr(args, "tp", 1) > 1 and any(not isinstance(p, list) for p in prompts):
@@ -111,8 +99,7 @@ def _run_check(args: argparse.Namespace) -> int:
         diagnosis = (diagnosis + "; " if diagnosis else "") + \
             f"{res.mix_mismatch} sequences differ between batched and alone rollouts"
     lora = f", LoRA {args.lora}" if args.lora else ""
-    trainer = f"trainer deepspeed ZeRO-{_zero_stage(args)}, " if args.backend == "deepspeed" else ""
-    trainer += f"trainer TP = {args.tp}, " if args.tp > 1 else ""
+    trainer = f"trainer TP = {args.tp}, " if args.tp > 1 else ""
     spec = "" if args.speculative is None else \
         f", {args.speculative['method']} drafts x{args.speculative['num_speculative_tokens']}"
     title = f"parity check {args.model}{lora} ({trainer}kernels {args.kernels}, batch mix {args.batch_mix}{spec})"
@@ -167,8 +154,6 @@ def _add_check_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: in
     p.add_argument("--kernels", type=kernel_set, default="invariant",
                    help="invariant (default), triton (the Triton kernels on both sides: CUDA, or TRITON_INTERPRET=1 "
                         "on CPU), or fast: both sides on plain torch ops (the mismatch zerokl removes)")
-    p.add_argument("--backend", choices=("megatron", "deepspeed"), default="megatron", help="the trainer that scores")
-    p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default 3; deepspeed only)")
     p.add_argument("--json", help="write the results here")
 
 

@@ -24,10 +24,7 @@ Autograd (`gemm`): the forward is the invariant GEMM; the backward is one tiled 
 to its input's dtype: grad_x = g W (rows: tokens) and grad_W = g^T x (rows: output channels, the reduction over all
 tokens in one GEMM: no [tiles, K, N] partials). Plain sgemm would do, but MKL gives its products with few rows or a
 short reduction other bits on another thread count. Gradients are exact to fp32 rounding, not batch-invariant, and
-deterministic: the same bits on a rerun, on any thread count (observed for MKL, like the forward's properties). The
-function saves its inputs as
-given (a parameter, or the parameter a view was taken from: not its data), which ZeRO-3's release of gathered weights
-needs.
+deterministic: the same bits on a rerun, on any thread count (observed for MKL, like the forward's properties).
 """
 
 from __future__ import annotations
@@ -101,19 +98,12 @@ class _InvariantGEMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, segments: int) -> torch.Tensor:
-        # A view (a head's rows of a parameter) is saved as its base and re-made in the backward, so what is kept
-        # is the parameter object itself, never its storage (ZeRO-3 frees and re-gathers that storage).
-        base = w if w._base is None else w._base
-        ctx.view = None if base is w else (w.size(), w.stride(), w.storage_offset() - base.storage_offset())
-        ctx.save_for_backward(x, base)
+        ctx.save_for_backward(x, w)
         return tiled_matmul(x, w.to(x.dtype), segments)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, w_in = ctx.saved_tensors
-        if ctx.view is not None:
-            size, stride, offset = ctx.view
-            w_in = w_in.as_strided(size, stride, w_in.storage_offset() + offset)
         # Both through the tiled GEMM (rows: tokens for grad_x, output channels for grad_W; K: N, resp. the tokens):
         # MKL's plain sgemm gives products with few rows or a short reduction other bits on another thread count.
         gx = tiled_matmul(grad, w_in.to(x.dtype).t()) if ctx.needs_input_grad[0] else None

@@ -51,7 +51,7 @@ def test_trained_vision_tower_is_synced_every_step_and_saved(k3_tiny_mxfp4: Path
         assert_zero_kl_step(r)
     assert all(not torch.equal(final[n].to(base[n].dtype), base[n]) for n in names)  # every tower tensor trained
     # the saved state holds the trained tower: a fresh trainer loads it back bit for bit
-    backend = build_backend("megatron", k3_tiny_mxfp4, lr=cfg.lr, kernels=cfg.kernels, train_vision=True)
+    backend = build_backend(k3_tiny_mxfp4, lr=cfg.lr, kernels=cfg.kernels, train_vision=True)
     try:
         backend.load_state(tmp_path / "state")
         loaded = backend.export_official()

@@ -1,8 +1,6 @@
-"""The trainer-backend seam (`trainer.backend`) without the rollout engine: Megatron and DeepSpeed ZeRO-3 with a LoRA
-adapter give the shared forward's log-prob bits and train the adapter to the same bits; `save_state` / `load_state`
-continue bit for bit; user mistakes are ConfigErrors; the ZeRO-3 linear keeps no gathered weight alive between
-forward and backward and has autograd's bits. PPO and `zerokl parity check` through the seam:
-tests/engines/test_ppo_deepspeed.py."""
+"""The trainer seam (`trainer.backend`) without the rollout engine: the Megatron trainer with a LoRA adapter gives the
+shared forward's log-prob bits and trains the adapter alone; `save_state` / `load_state` continue bit for bit, with
+and without an adapter and with GAE's value head; user mistakes are ConfigErrors."""
 
 from __future__ import annotations
 
@@ -68,73 +66,40 @@ def _run(backend: TrainerBackend, steps: range) -> tuple[list[tuple[float, float
     return history, backend.export_weights()
 
 
-def test_zero3_forward_saves_parameters_not_gathered_weights(checkpoint: Path) -> None:
-    """A ZeRO-3 forward (every parameter partitioned) saves the projection weights themselves for the backward
-    (`parity.kernels.linear.gemm`): no saved tensor holds a gathered 2-D weight's storage (with autograd through plain
-    torch ops, 459 gathered storages, 22.4 of the model's 23.5 MB, stayed alive until the backward)."""
-    backend = build_backend("deepspeed", checkpoint, lr=LR, zero_stage=3)
-    params = list(backend.trainer.module.parameters())
-    weight_bytes = {p.ds_numel * p.element_size() for p in params if len(p.ds_shape) == 2}
-    held: dict[int, tuple[int, ...]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.nbytes() in weight_bytes and not any(t is p for p in params):
-            held.update({storage.data_ptr(): tuple(p.ds_shape) for p in params
-                         if p.data.numel() and p.data.untyped_storage().data_ptr() == storage.data_ptr()})
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            lp = token_logprobs(backend.model, PaddedBatch.from_sequences(_seqs()), TEMPERATURE)
-        backend.model.backward(-lp.sum())
-    finally:
-        backend.close()
-    assert held and all(len(shape) == 2 and shape[0] == 1 for shape in held.values()), held  # AttnRes scorers [1, D]
-
-
-def test_lora_backends_equal_the_shared_forward_and_each_other(
+def test_lora_backend_equals_the_shared_forward_and_trains_the_adapter_only(
         checkpoint: Path, adapter_dir: Path, official: tuple[ModelConfig, dict[str, torch.Tensor]]) -> None:
-    """With the same adapter (a directory for Megatron, an `Adapter` for DeepSpeed ZeRO-3): log-probs = `K3Forward`
-    with `K3Weights.lora` from `lora.adapter.load_lora` on both (torch.equal); `export_weights` is the adapter's PEFT
-    tensors; two steps, each accumulating two micro-batches, give the same (loss, grad norm) and adapter tensors bit for
-    bit; the base stays frozen."""
+    """With an adapter directory: log-probs = `K3Forward` with `K3Weights.lora` from `lora.adapter.load_lora`
+    (torch.equal); `export_weights` is the adapter's PEFT tensors; two steps, each accumulating two micro-batches, move
+    the adapter and leave the base frozen."""
     cfg, weights = official
     seqs = _seqs()
     with_lora = K3Weights.from_official(cfg.text, weights)
     with_lora.lora = load_lora(adapter_dir, cfg.text)
     ref = score_sequences(K3Forward(with_lora, INVARIANT), seqs, TEMPERATURE)
     start = load_adapter(adapter_dir, cfg.text)
-    results = {}
-    for name, adapter in (("megatron", adapter_dir), ("deepspeed", start)):
-        backend = build_backend(name, checkpoint, lr=LR, adapter=adapter, zero_stage=3)
-        try:
-            lp = backend.logprobs(PaddedBatch.from_sequences(seqs), TEMPERATURE)
-            for i, s in enumerate(seqs):
-                assert torch.equal(lp[i, : len(s) - 1], ref[i]), f"{name}: sequence {i}"
-            exported = backend.export_weights()
-            assert exported.keys() == start.tensors().keys()
-            assert all(torch.equal(t, start.tensors()[n]) for n, t in exported.items())
-            results[name] = _run(backend, range(2))
-            base = backend.export_official()
-        finally:
-            backend.close()
-        assert all(torch.equal(base[n], t.float()) for n, t in weights.items() if n in text_specs(cfg.text))
-    (history, trained), (ds_history, ds_trained) = results["megatron"], results["deepspeed"]
-    assert ds_history == history
-    assert trained.keys() == ds_trained.keys()
-    assert all(torch.equal(ds_trained[n], t) for n, t in trained.items())
+    backend = build_backend(checkpoint, lr=LR, adapter=adapter_dir)
+    try:
+        lp = backend.logprobs(PaddedBatch.from_sequences(seqs), TEMPERATURE)
+        for i, s in enumerate(seqs):
+            assert torch.equal(lp[i, : len(s) - 1], ref[i]), f"sequence {i}"
+        exported = backend.export_weights()
+        assert exported.keys() == start.tensors().keys()
+        assert all(torch.equal(t, start.tensors()[n]) for n, t in exported.items())
+        _, trained = _run(backend, range(2))
+        base = backend.export_official()
+    finally:
+        backend.close()
+    assert all(torch.equal(base[n], t.float()) for n, t in weights.items() if n in text_specs(cfg.text))
+    assert trained.keys() == start.tensors().keys()
     assert not all(torch.equal(trained[n], t) for n, t in start.tensors().items())
 
 
-@pytest.mark.parametrize("name,zero_stage,lora", [("megatron", 3, True), ("deepspeed", 2, False),
-                                                  ("deepspeed", 3, True)])
-def test_state_round_trip_continues_bitwise(name: str, zero_stage: int, lora: bool, checkpoint: Path,
-                                            adapter_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [True, False])
+def test_state_round_trip_continues_bitwise(lora: bool, checkpoint: Path, adapter_dir: Path, tmp_path: Path) -> None:
     """step 0, save_state, step 1 == a fresh backend that loads the state and runs step 1: (loss, grad norm) and the
     exported weights (or adapter) bit for bit; the state holds weights.pt, or adapter/ with LoRA."""
     adapter = adapter_dir if lora else None
-    backend = build_backend(name, checkpoint, lr=LR, adapter=adapter, zero_stage=zero_stage)
+    backend = build_backend(checkpoint, lr=LR, adapter=adapter)
     try:
         backend.train_step(_pg_loss(0))
         backend.save_state(tmp_path / "state")
@@ -142,7 +107,7 @@ def test_state_round_trip_continues_bitwise(name: str, zero_stage: int, lora: bo
     finally:
         backend.close()
     assert (tmp_path / "state" / (ADAPTER_DIR if lora else WEIGHTS_FILE)).exists()
-    resumed = build_backend(name, checkpoint, lr=LR, adapter=adapter, zero_stage=zero_stage)
+    resumed = build_backend(checkpoint, lr=LR, adapter=adapter)
     try:
         resumed.load_state(tmp_path / "state")
         history, weights = _run(resumed, range(1, 2))
@@ -170,7 +135,7 @@ def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_pat
         step = backend.train_step(loss(1))
         return step, backend.export_weights(), backend.trainer.module.value_head.weight.detach().clone()
 
-    backend = build_backend("megatron", checkpoint, lr=LR, value_head_lr=LR / 10)
+    backend = build_backend(checkpoint, lr=LR, value_head_lr=LR / 10)
     try:
         backend.train_step(loss(0))
         backend.save_state(tmp_path / "state")
@@ -179,7 +144,7 @@ def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_pat
         backend.close()
     assert (tmp_path / "state" / VALUE_HEAD_FILE).exists() and want[2].abs().sum() > 0
     assert not any("value_head" in n for n in want[1])
-    resumed = build_backend("megatron", checkpoint, lr=LR, value_head_lr=LR / 10)
+    resumed = build_backend(checkpoint, lr=LR, value_head_lr=LR / 10)
     try:
         resumed.load_state(tmp_path / "state")
         got = run(resumed)
@@ -189,11 +154,11 @@ def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_pat
     assert got[1].keys() == want[1].keys() and all(torch.equal(t, want[1][n]) for n, t in got[1].items())
 
 
-def test_user_mistakes_are_config_errors(checkpoint: Path) -> None:
-    with pytest.raises(ConfigError, match="backend must be one of megatron, deepspeed"):
-        build_backend("fsdp", checkpoint)
-    with pytest.raises(ConfigError, match="zero_stage must be one of 2, 3"):
-        build_backend("deepspeed", checkpoint, zero_stage=1)
+def test_user_mistakes_are_config_errors(checkpoint: Path, adapter_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="has no vision tower"):
+        build_backend(checkpoint, train_vision=True)
+    with pytest.raises(ConfigError, match="the vision tower trains without an adapter only"):
+        build_backend(checkpoint, adapter=adapter_dir, train_vision=True)
 
 
 @pytest.fixture(autouse=True)

@@ -76,11 +76,11 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"advantage": "gae", "lam": "-0.1"}, "lam must be in [0, 1], got -0.1"),
     ({"advantage": "gae", "vf_coef": "0"}, "vf_coef must be > 0, got 0"),
     ({"advantage": "gae", "value_clip": "-1"}, "value_clip must be > 0, got -1"),
-    ({"advantage": "gae", "backend": "deepspeed"}, "advantage 'gae' trains a value head on the megatron backend only"),
     ({"advantage": "gae", "lora": "true"}, "advantage 'gae' trains the value head with the trunk, which lora freezes"),
     ({"advantage": "gae", "ppo_epochs": "2", "old_logprobs": "rollout"}, "old_logprobs 'rollout' skips"),
     ({"advantage": "gae", "normalize_adv_std": "true"}, "normalize_adv_std is GRPO's"),
-    ({"zero_stage": "2"}, "zero_stage is only read with backend: deepspeed, not 'megatron'"),
+    ({"zero_stage": "2"}, "zero_stage: the deepspeed backend was retired: zerokl trains on Megatron-core alone"),
+    ({"backend": "megatron"}, "backend: the deepspeed backend was retired"),
     ({"lora_rank": "4"}, "lora_rank is only read with lora: true"),
     ({"lora_targets": "[q_proj]"}, "lora_targets is only read with lora: true"),
     ({"lora": "true", "lora_init": "configs", "lora_alpha": "8"}, "lora_alpha is not read with lora_init"),
@@ -88,7 +88,6 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"max_staleness": "-1"}, "max_staleness must be >= 0, got -1"),
     ({"max_staleness": "1", "advantage": "gae"}, "max_staleness > 0 with advantage: gae is not supported"),
     ({"max_staleness": "1", "lora": "true"}, "max_staleness > 0 with lora: true is not supported"),
-    ({"max_staleness": "1", "backend": "deepspeed"}, "max_staleness > 0 with backend: deepspeed is not supported"),
     ({"max_staleness": "1", "ppo_epochs": "2", "old_logprobs": "rollout"},
      "old_logprobs is not read with max_staleness"),
     ({"rollout_servers": "[localhost:8000]"}, "rollout server 'localhost:8000' is not a server URL"),
@@ -97,11 +96,9 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"num_rollout_servers": "-1"}, "num_rollout_servers must be >= 0"),
     ({"sync": "torch_distributed"}, "sync torch_distributed reaches rollout servers"),
     ({"sync": "cuda_ipc", "num_rollout_servers": "1"}, "sync cuda_ipc reaches the in-process engine"),
-    ({"backend": "deepspeed", "data_parallel": "both"}, "data_parallel must be one of replicate, shard"),
+    ({"data_parallel": "both"}, "data_parallel must be one of replicate, shard"),
     ({"tp": "0"}, "tp must be >= 1, got 0"),
     ({"ep": "1.5"}, "ep must be an integer, got 1.5"),
-    ({"tp": "2", "backend": "deepspeed"}, "tp: 2 and backend: deepspeed is not supported"),
-    ({"tp": "2", "ep": "2", "backend": "deepspeed"}, "tp: 2 with ep: 2 and backend: deepspeed is not supported"),
     ({"top_p": "1.5"}, "top_p must be in (0, 1], got 1.5"),
     ({"top_k": "0"}, "top_k must be an integer >= 1, got 0"),
     ({"top_k": "2.5"}, "top_k must be an integer"),
@@ -116,7 +113,6 @@ def _ppo_config(tmp_path: Path, checkpoint: Path, **keys: object) -> Path:
     ({"task": "calculator", "task_args": "{digits: 0}"}, "task calculator: digits must be >= 1, got 0"),
     ({"vision_tower": "true"}, "vision_tower must be a string, got True"),
     ({"vision_tower": "train"}, "vision_tower must be one of frozen, trainable, got 'train'"),
-    ({"vision_tower": "trainable", "backend": "deepspeed"}, "vision_tower: trainable with backend: deepspeed is not"),
     ({"vision_tower": "trainable", "lora": "true"}, "vision_tower: trainable with lora: true is not supported"),
     ({"vision_tower": "trainable", "max_staleness": "1"}, "vision_tower: trainable with max_staleness > 0 is not"),
 ])
@@ -213,11 +209,6 @@ def test_check_arguments_are_checked(argv: list[str], k3_tiny: Path) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["parity", "check", "--model", str(k3_tiny), *argv])
     assert exit_.value.code == 2
-
-
-def test_zero_stage_without_deepspeed_is_refused(k3_tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _user_error(["parity", "check", "--model", str(k3_tiny), "--zero-stage", "2"], capsys,
-                "--zero-stage is only read with --backend deepspeed, not megatron")
 
 
 @pytest.mark.parametrize(("line", "says"), [
@@ -329,7 +320,7 @@ def test_resume_into_another_run_is_refused(key: str, value: str, ppo_reference:
     ("kernels", "turbo", ["--kernels", "invariant"], "kernels must be one of"),
     ("on_mismatch", "ignore", ["--on-mismatch", "warn"], "on_mismatch must be one of"),
     ("wandb", "cloud", ["--wandb", "disabled"], "wandb must be one of"),
-    ("backend", "jax", ["--backend", "megatron"], "backend must be one of"),
+    ("tp", "0", ["--tp", "2"], "tp must be >= 1, got 0"),
 ])
 def test_a_config_value_a_flag_overrides_is_still_checked(key: str, value: str, flag: list[str], says: str,
                                                           k3_tiny: Path, tmp_path: Path,

@@ -9,12 +9,11 @@ import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from trainer.backend import DEFAULT_ZERO_STAGE
 from zerokl.ppo.config import GAE_DEFAULTS, LORA_DEFAULTS, PPOConfig
 
 REPO = Path(__file__).resolve().parents[2]
-CONDITIONAL = {**{k: (v, "gae") for k, v in GAE_DEFAULTS.items()}, **{k: (v, "lora") for k, v in LORA_DEFAULTS.items()},
-               "zero_stage": (DEFAULT_ZERO_STAGE, "deepspeed")}  # defaults filled only where the key is read
+CONDITIONAL = {**{k: (v, "gae") for k, v in GAE_DEFAULTS.items()},
+               **{k: (v, "lora") for k, v in LORA_DEFAULTS.items()}}  # defaults filled only where the key is read
 
 
 def _yaml(value: object) -> str:

@@ -1,6 +1,5 @@
 """`zerokl ppo --config C [--steps N] [--out DIR] [--resume DIR] [--kernels K] [--on-mismatch M] [--wandb W]
-[--backend megatron|deepspeed] [--zero-stage 2|3] [--nproc-per-node N [--tp T] [--ep E]] [--rollout-servers URL,... |
---num-rollout-servers N]`.
+[--nproc-per-node N [--tp T] [--ep E]] [--rollout-servers URL,... | --num-rollout-servers N]`.
 
 Writes `OUT/metrics.jsonl` (one line per step, keys `METRIC_KEYS` plus loss/grad_norm/sync figures),
 checkpoints under `OUT/checkpoints/step-N`, wandb files under `OUT/wandb` (offline unless `--wandb online`),
@@ -9,9 +8,9 @@ broke parity (after the diagnosis), 2 for user errors (among them a reward funct
 something other than a finite number mid-run: the error names the dataset line and the step).
 
 `--nproc-per-node N` (N > 1) starts N processes of this command (`zerokl.launch`; the run's starting checkpoint is
-created first); under any torchrun-style launcher the command runs as one rank of it. On the megatron backend they
-form TP x DP = N ranks with the routed experts split over EP (`--tp`, `--ep`, config keys `tp`, `ep`; the DP
-gradients averaged, Megatron's distributed optimizer over the DP ranks); on DeepSpeed, ZeRO partitions over them.
+created first); under any torchrun-style launcher the command runs as one rank of it. They form TP x DP = N
+Megatron ranks with the routed experts split over EP (`--tp`, `--ep`, config keys `tp`, `ep`; the DP gradients
+averaged, Megatron's distributed optimizer sharding the fp32 masters and Adam over the DP ranks).
 Each data-parallel rank trains on its own part of every minibatch (`data_parallel: shard`, the default), or on the
 whole batch with `data_parallel: replicate`. Rank 0 owns the rollout engine and writes the metrics, wandb and console
 output; checkpoints are written collectively.
@@ -92,8 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray is not None and servers is None and not _config_key(args.config, "num_rollout_servers"):
         servers = 1  # --ray runs the servers it starts: one unless the flag or the config says more
     cfg = load_ppo_config(args.config, steps=args.steps, kernels=args.kernels, on_mismatch=args.on_mismatch,
-                          wandb=args.wandb, lora=args.lora or None, backend=args.backend,
-                          zero_stage=args.zero_stage, rollout_servers=args.rollout_servers,
+                          wandb=args.wandb, lora=args.lora or None, rollout_servers=args.rollout_servers,
                           num_rollout_servers=servers, tp=args.tp, ep=args.ep)
     out = Path(args.out)
     try:
@@ -220,8 +218,7 @@ def _check_nproc(cfg: PPOConfig, nproc: int) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ppo", help="PPO with the zero-KL check every step (vLLM rollouts, Megatron or DeepSpeed "
-                                   "trainer)")
+    p = sub.add_parser("ppo", help="PPO with the zero-KL check every step (vLLM rollouts, Megatron trainer)")
     p.add_argument("--config", required=True, help="PPO run config (YAML), e.g. configs/ppo-tiny.yaml")
     p.add_argument("--steps", type=int, help="override the config's number of steps")
     p.add_argument("--out", default="out/ppo", help="run directory (metrics.jsonl, checkpoints, wandb)")
@@ -233,15 +230,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora", action="store_true", help="train only a LoRA adapter (config keys lora_rank, "
                    "lora_alpha, lora_targets, lora_init) and sync only the adapter into the rollout engine")
     p.add_argument("--wandb", choices=WANDB_MODES, help="wandb mode (default offline)")
-    p.add_argument("--backend", choices=("megatron", "deepspeed"), help="trainer backend (default: the config's, "
-                   "megatron)")
-    p.add_argument("--zero-stage", type=int, choices=(2, 3), help="DeepSpeed ZeRO stage (default: the config's, 3)")
-    p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (megatron: TP x DP of them, "
-                   "experts split over EP; DeepSpeed: ZeRO partitions over them; each data-parallel rank trains on its "
-                   "own part of every minibatch, or on the whole batch with data_parallel: replicate); N > 1 starts N "
+    p.add_argument("--nproc-per-node", type=positive_int, default=1, help="processes (TP x DP of them, experts split "
+                   "over EP; each data-parallel rank trains on its own part of every minibatch, or on the whole batch with data_parallel: replicate); N > 1 starts N "
                    "copies of this command")
-    p.add_argument("--tp", type=positive_int, help="tensor-parallel ranks (megatron; config key tp, default 1)")
-    p.add_argument("--ep", type=positive_int, help="expert-parallel ranks (megatron; config key ep, default 1)")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel ranks (config key tp, default 1)")
+    p.add_argument("--ep", type=positive_int, help="expert-parallel ranks (config key ep, default 1)")
     p.add_argument("--rollout-servers", type=_urls, metavar="URL[,URL...]", help="roll out on these running `zerokl "
                    "serve` servers (same checkpoint) over HTTP and sync weights into them (config key "
                    "rollout_servers)")

@@ -17,7 +17,7 @@ import yaml
 from parity.config import ConfigError, load_model_config
 from parity.kernels import KERNEL_SETS, get_kernels, platform_device
 from parity.kernels.logprobs import Sampling
-from trainer.backend import BACKENDS, DEFAULT_ZERO_STAGE, ZERO_STAGES
+from trainer.backend import RETIRED_DEEPSPEED
 from zerokl.tasks import make_task, resolve_paths
 from zerokl.ppo.algo import KL_ESTIMATORS
 
@@ -28,6 +28,7 @@ LORA_INIT_KEYS = ("lora_rank", "lora_alpha", "lora_targets")  # what an adapter 
 ON_MISMATCH = ("stop", "warn")
 WANDB_MODES = ("offline", "online", "disabled")
 SYNC_TRANSPORTS = ("shared_memory", "disk", "cuda_ipc", "torch_distributed")
+RETIRED_KEYS = {"backend", "zero_stage"}  # the DeepSpeed backend's keys (`trainer.backend.RETIRED_DEEPSPEED`)
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,10 @@ class PPOConfig:
     num_rollout_servers: int = 0  # > 0: `zerokl ppo` starts this many servers on this machine (and stops them)
     checkpoint_every: int = 25
     wandb: str = "offline"
-    backend: str = "megatron"  # trainer backend (trainer.backend): megatron (data parallel) or deepspeed (ZeRO)
-    zero_stage: int | None = None  # backend: deepspeed only; its ZeRO stage, 2 or 3 (DEFAULT_ZERO_STAGE)
     data_parallel: str = "shard"  # on several data-parallel ranks: shard (each its own part of every minibatch) or
     # replicate (each the whole batch)
-    tp: int = 1  # backend: megatron; tensor-parallel ranks (attention heads, MLP and vocabulary columns split)
-    ep: int = 1  # backend: megatron; expert-parallel ranks (the routed experts split); DP = processes / tp
+    tp: int = 1  # tensor-parallel ranks (attention heads, MLP and vocabulary columns split)
+    ep: int = 1  # expert-parallel ranks (the routed experts split); DP = processes / tp
     lora: bool = False  # train only a LoRA adapter (base frozen) and sync only the adapter
     lora_rank: int | None = None  # lora only (LORA_DEFAULTS)
     lora_alpha: float | None = None  # lora only (LORA_DEFAULTS)
@@ -130,8 +129,7 @@ class PPOConfig:
             raise ConfigError(f"ppo config: max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_staleness:
             for key, value, why in (("advantage", "gae", "GAE's old values would need the critic at the generating "
-                                     "version"), ("lora", True, "only full-weight versions are kept for the check"),
-                                    ("backend", "deepspeed", "rank 0 alone keeps the earlier versions")):
+                                     "version"), ("lora", True, "only full-weight versions are kept for the check")):
                 if getattr(self, key) == value:
                     raise ConfigError(f"ppo config: max_staleness > 0 with {key}: {str(value).lower()} is not "
                                       f"supported ({why}); set max_staleness: 0")
@@ -157,15 +155,7 @@ class PPOConfig:
         _choice("sync", self.sync, SYNC_TRANSPORTS)
         self._check_rollout_servers()
         _choice("wandb", self.wandb, WANDB_MODES)
-        _choice("backend", self.backend, BACKENDS)
-        if self.backend == "deepspeed":
-            if self.zero_stage is None:
-                object.__setattr__(self, "zero_stage", DEFAULT_ZERO_STAGE)
-            _zero_stage(self.zero_stage)
-            _choice("data_parallel", self.data_parallel, ("replicate", "shard"))
-        elif self.zero_stage is not None:
-            raise ConfigError(f"ppo config: zero_stage is only read with backend: deepspeed, not {self.backend!r}; "
-                              "drop zero_stage or set backend: deepspeed")
+        _choice("data_parallel", self.data_parallel, ("replicate", "shard"))
         self._check_lora_keys()
         self._check_model_parallel()
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_tokens", "max_turns", "checkpoint_every",
@@ -221,16 +211,15 @@ class PPOConfig:
                               "tokens); use advantage: grpo")
 
     def _check_vision_tower(self) -> None:
-        """vision_tower: trainable needs a tower and what trains it here: the megatron backend, full weights, this
-        process's engine, the current version's weights for every check."""
+        """vision_tower: trainable needs a tower and what trains it here: full weights, this process's engine, the
+        current version's weights for every check."""
         _choice("vision_tower", self.vision_tower, ("frozen", "trainable"))
         if self.vision_tower == "frozen":
             return
         if Path(self.model).exists() and load_model_config(self.model).vision is None:
             raise ConfigError(f"ppo config: vision_tower: trainable, but model {self.model} has no vision tower "
                               "(vision_config); drop vision_tower")
-        refused = {"backend: deepspeed": (self.backend == "deepspeed", "the tower trains on the megatron backend"),
-                   "lora: true": (self.lora, "lora freezes the base and syncs the adapter alone"),
+        refused = {"lora: true": (self.lora, "lora freezes the base and syncs the adapter alone"),
                    "max_staleness > 0": (self.max_staleness > 0, "the kept versions' check runs the tower as loaded")}
         for what, (given, why) in refused.items():
             if given:
@@ -303,20 +292,9 @@ class PPOConfig:
             raise ConfigError(f"ppo config: lora_alpha must be > 0, got {self.lora_alpha}")
 
     def _check_model_parallel(self) -> None:
-        """tp and ep: at least 1; above 1 only on the megatron backend."""
+        """tp and ep: at least 1."""
         for name in ("tp", "ep"):
             _at_least(name, getattr(self, name), 1)
-        split = [f"{name}: {getattr(self, name)}" for name in ("tp", "ep") if getattr(self, name) > 1]
-        if not split:
-            return
-        refused = {
-            f"backend: {self.backend}": (self.backend != "megatron", "DeepSpeed partitions with ZeRO over data-parallel "
-                                         "ranks only"),
-        }
-        for what, (given, why) in refused.items():
-            if given:
-                raise ConfigError(f"ppo config: {' with '.join(split)} and {what} is not supported ({why}); "
-                                  f"drop {split[0].split(':')[0]} or {what.split(':')[0]}")
 
     def _check_gae(self) -> None:
         """advantage: gae: GAE_DEFAULTS fill the keys not given; values in range; what the value head runs with."""
@@ -329,9 +307,6 @@ class PPOConfig:
         for name in ("vf_coef", "value_clip", "value_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"ppo config: {name} must be > 0, got {getattr(self, name)}")
-        if self.backend != "megatron":
-            raise ConfigError(f"ppo config: advantage 'gae' trains a value head on the megatron backend only, got "
-                              f"backend {self.backend!r}; use backend: megatron or advantage: grpo")
         if self.lora:
             raise ConfigError("ppo config: advantage 'gae' trains the value head with the trunk, which lora freezes; "
                               "use lora: false or advantage: grpo")
@@ -381,11 +356,6 @@ def _at_least(key: str, value: int, low: int) -> None:
         raise ConfigError(f"ppo config: {key} must be >= {low}, got {value}")
 
 
-def _zero_stage(value: int | None) -> None:
-    if value is not None and value not in ZERO_STAGES:
-        raise ConfigError(f"ppo config: zero_stage must be one of {', '.join(map(str, ZERO_STAGES))}, got {value!r}")
-
-
 # The keys a command-line flag may override, with what their own value must be whatever the other keys say
 # (`PPOConfig.__post_init__` checks them in the context of the whole config).
 OWN_VALUE_CHECKS: dict[str, Callable[[Any], None]] = {
@@ -393,8 +363,6 @@ OWN_VALUE_CHECKS: dict[str, Callable[[Any], None]] = {
     "kernels": lambda v: _choice("kernels", v, KERNEL_SETS),
     "on_mismatch": lambda v: _choice("on_mismatch", v, ON_MISMATCH),
     "wandb": lambda v: _choice("wandb", v, WANDB_MODES),
-    "backend": lambda v: _choice("backend", v, BACKENDS),
-    "zero_stage": _zero_stage,
     "num_rollout_servers": lambda v: _at_least("num_rollout_servers", v, 0),
     "tp": lambda v: _at_least("tp", v, 1),
     "ep": lambda v: _at_least("ep", v, 1),
@@ -413,6 +381,9 @@ def load_ppo_config(path: str | Path, **overrides: Any) -> PPOConfig:
     raw = yaml.safe_load(p.read_text()) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a mapping")
+    retired = sorted(set(raw) & RETIRED_KEYS)
+    if retired:
+        raise ConfigError(f"{p}: {' and '.join(retired)}: {RETIRED_DEEPSPEED}; drop the key")
     known = {f.name for f in fields(PPOConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:

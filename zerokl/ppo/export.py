@@ -1,7 +1,7 @@
 """`zerokl export`: the trained weights of a `zerokl ppo` checkpoint as an official checkpoint directory (what `zerokl
 serve`, `zerokl parity check --model` and vLLM load), on the model config the run trained.
 
-The weights come from the trainer's saved state: `weights.pt` (one process, DeepSpeed), or the Megatron ranks' own
+The weights come from the trainer's saved state: `weights.pt` (one process), or the Megatron ranks' own
 files gathered here (`trainer.megatron.io.gather_rank_weights`). Each tensor is written in the dtype the run's model
 stores it in: the fp32 masters rounded as the trainer's forward rounds them, MXFP4 experts quantised again
 (`parity.io.checkpoint.save_checkpoint`), so the exported model computes what the trained policy computed. A LoRA

@@ -4,9 +4,9 @@
                                                                                         state (`state`): checkpoints
 
 Rank 0 owns the rollout engine (`rollout.engine.RolloutEngine` in this process, or rollout servers over HTTP), the
-task and the rewards, and broadcasts each step's samples; every rank runs the trainer step (Megatron, or DeepSpeed
-ZeRO on several processes: `trainer.backend`), whose first forward at the generating version is checked against the
-rollout's log-probs bit for bit (KL = 0) before any update; then every rank exports and rank 0 syncs the next version
+task and the rewards, and broadcasts each step's samples; every rank runs the trainer step (Megatron: `trainer.backend`), whose
+first forward at the generating version is checked against the rollout's log-probs bit for bit (KL = 0) before any
+update; then every rank exports and rank 0 syncs the next version
 into the engine. On a mismatch the step ends with a first-divergence diagnosis (and the run stops, unless
 `on_mismatch: warn`). Variations live in their stage: staleness (`rollouts.Ahead`, `sync.Sync.kept`), LoRA (adapter
 syncs, `sync.Sync.start_lora`), GAE (`advantages.Targets`), rollout servers (`sync.RemoteSync`,
@@ -76,9 +76,9 @@ class PPORun:
 
         dialogue = chat_dialogue(base, self.task) if is_chat_task(self.task) else TextDialogue(encode, decode)
         adapter = initial_adapter(cfg, base, resume) if cfg.lora else None
-        self.backend = build_backend(cfg.backend, base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels,
-                                     adapter=adapter, zero_stage=cfg.zero_stage, value_head_lr=cfg.value_lr,
-                                     train_vision=cfg.vision_tower == "trainable", tp=cfg.tp, ep=cfg.ep)
+        self.backend = build_backend(base, lr=cfg.lr, clip_grad=cfg.grad_clip, kernels=cfg.kernels, adapter=adapter,
+                                     value_head_lr=cfg.value_lr, train_vision=cfg.vision_tower == "trainable",
+                                     tp=cfg.tp, ep=cfg.ep)
         self.rank0 = self.backend.rank == 0  # owns the rollout engine, the task's prompts and the rewards
         if self.backend.world_size > 1 and self.rank0:
             log(f"trainer: {self.backend.world_size} processes, TP {cfg.tp} x DP {self.backend.dp_size}, experts over "
@@ -128,7 +128,7 @@ class PPORun:
 
     @property
     def trainer(self) -> Any:
-        """The backend's own trainer (`trainer.megatron.train.Trainer` / `DeepSpeedTrainer`; `.module` is the model)."""
+        """The backend's own trainer (`trainer.megatron.train.Trainer`; `.module` is the model)."""
         return self.backend.trainer
 
     def run_step(self) -> StepResult:

@@ -24,7 +24,7 @@ import torch
 
 from parity.config import ConfigError
 from parity.io.atomic import commit_partial, partial_path
-from trainer.backend import DEFAULT_ZERO_STAGE
+from trainer.backend import RETIRED_DEEPSPEED
 from zerokl.ppo.config import PPOConfig
 from zerokl.ppo.rollouts import Ahead
 
@@ -125,8 +125,8 @@ def read_run_state(path: Path) -> dict:
 
 def check_resumable(path: Path, cfg: PPOConfig) -> None:
     """Before anything starts: `path` is a `zerokl ppo` checkpoint written by the trainer this run uses, the same
-    backend, the same layout (process count, tp, ep: each rank keeps its own share of the optimizer state) and, for
-    DeepSpeed, the same ZeRO stage."""
+    backend (Megatron), the same layout (process count, tp, ep: each rank keeps its own share of the optimizer
+    state)."""
     state = read_run_state(path)
     saved = state["config"]
     same = {"model": Path(str(saved.get("model"))).resolve() == Path(cfg.model).resolve(),
@@ -136,20 +136,16 @@ def check_resumable(path: Path, cfg: PPOConfig) -> None:
         if not ok:
             raise ConfigError(f"{path} was written by a run with {key}: {saved.get(key)!r}; this run has {key}: "
                               f"{getattr(cfg, key)!r}: resume with the config that wrote it")
-    was = (saved.get("backend", "megatron"), saved.get("zero_stage", DEFAULT_ZERO_STAGE), state.get("world_size", 1))
-    now = (cfg.backend, cfg.zero_stage, int(os.environ.get("WORLD_SIZE", "1")))
-    if was[0] != now[0]:
-        raise ConfigError(f"{path} was written by the {was[0]} backend; this run is {now[0]}: resume with the same "
-                          "backend")
-    if now[0] == "deepspeed" and was != now:
-        raise ConfigError(f"{path} was written by the deepspeed backend at ZeRO-{was[1]} on {was[2]} processes; this "
-                          f"run is ZeRO-{now[1]} on {now[2]} processes: resume with the same ZeRO stage and process "
-                          "count")
+    if saved.get("backend", "megatron") != "megatron":
+        raise ConfigError(f"{path} was written by the {saved['backend']} backend, whose optimizer state the Megatron "
+                          f"trainer cannot read ({RETIRED_DEEPSPEED}); `zerokl export --checkpoint {path} --out DIR` "
+                          "still writes its weights as a checkpoint to start a new run from")
+    was, now = state.get("world_size", 1), int(os.environ.get("WORLD_SIZE", "1"))
     layout = {key: (saved.get(key, 1), getattr(cfg, key)) for key in ("tp", "ep")}
     for key, (before, here) in layout.items():
         if before != here:
             raise ConfigError(f"{path} was written at {key}: {before}, each rank keeping its shard's optimizer state; "
                               f"this run has {key}: {here}: resume with the same layout")
-    if was[2] != now[2]:
-        raise ConfigError(f"{path} was written by the {was[0]} backend on {was[2]} processes, each keeping its share of "
-                          f"the optimizer state; this run is on {now[2]}: resume with the same process count")
+    if was != now:
+        raise ConfigError(f"{path} was written on {was} processes, each keeping its share of the optimizer state; this "
+                          f"run is on {now}: resume with the same process count")

@@ -13,7 +13,7 @@ version (`check.kept_logprobs`), and every update is then off-policy.
 `micro_batch_size` splits each minibatch into forward/backward passes of that many samples whose gradients add up
 (each pass's loss weighted by its share of the minibatch's tokens) before the one optimizer step. With
 `data_parallel: shard` (the default) each of the R data-parallel ranks runs its own block of every minibatch, its
-loss scaled by R (the trainer averages the DP ranks' gradients: DeepSpeed, and Megatron's DDP; tensor-parallel peers
+loss scaled by R (Megatron's DDP averages the DP ranks' gradients; tensor-parallel peers
 run the same block), and the check gathers the first update's rows from every DP rank.
 
 The loss: the clipped surrogate (`zerokl.ppo.algo.ppo_loss`, with a KL penalty to the reference's log-probs and an
