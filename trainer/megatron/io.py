@@ -198,22 +198,21 @@ def load_official_dir(model: MegatronK3Model, path: str | Path) -> list[str]:
     return load_rank_shards(model, open_checkpoint(path))
 
 
-def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, onto_first: bool) -> torch.Tensor | None:
+def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, onto_rank0: bool) -> torch.Tensor | None:
     """The group's parts of a tensor concatenated along `dim` in group-rank order: on every member, or with
-    `onto_first` on the group's first rank alone (None on the others)."""
+    `onto_rank0` (a group holding global rank 0) on rank 0 alone (None on the others)."""
     parts = [torch.empty_like(t) for _ in range(group.size())]
-    if not onto_first:
+    if not onto_rank0:
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
-    first = dist.get_global_rank(group, 0)
-    mine = dist.get_rank() == first
-    dist.gather(t.contiguous(), parts if mine else None, dst=first, group=group)
-    return torch.cat(parts, dim=dim) if mine else None
+    rank0 = dist.get_rank() == 0
+    dist.gather(t.contiguous(), parts if rank0 else None, dst=0, group=group)
+    return torch.cat(parts, dim=dim) if rank0 else None
 
 
 def _holds_rank0(group: dist.ProcessGroup) -> bool:
-    """Whether global rank 0 is in `group` (its first member: Megatron's groups list their ranks in order)."""
-    return dist.get_global_rank(group, 0) == 0
+    """Whether global rank 0 is a member of `group`."""
+    return 0 in dist.get_process_group_ranks(group)
 
 
 def export_official(model: MegatronK3Model, compute_dtype: bool = False,
