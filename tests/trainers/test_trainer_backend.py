@@ -154,9 +154,9 @@ def test_value_head_state_round_trip_continues_bitwise(checkpoint: Path, tmp_pat
     assert got[1].keys() == want[1].keys() and all(torch.equal(t, want[1][n]) for n, t in got[1].items())
 
 
-def test_user_mistakes_are_config_errors(checkpoint: Path, adapter_dir: Path) -> None:
+def test_user_mistakes_are_config_errors(checkpoint: Path, adapter_dir: Path, kimi_linear_tiny: Path) -> None:
     with pytest.raises(ConfigError, match="has no vision tower"):
-        build_backend(checkpoint, train_vision=True)
+        build_backend(kimi_linear_tiny, train_vision=True)
     with pytest.raises(ConfigError, match="the vision tower trains without an adapter only"):
         build_backend(checkpoint, adapter=adapter_dir, train_vision=True)
 

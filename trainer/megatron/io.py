@@ -302,7 +302,7 @@ def export_adapter(model: MegatronK3Model) -> Adapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for base in model.lora_scales:
         target = model.lora_module(base)
-        a, b = (p.detach() if split.tp_dim is None else _gather(p.detach(), split.tp_dim, tp_group)
+        a, b = (p.detach() if split.tp_dim is None else _gather(p.detach(), split.tp_dim, tp_group, False)
                 for split, p in zip(lora_splits(split_of(base)), (target.lora_A.weight, target.lora_B.weight)))
         weights[base.removesuffix(".weight")] = (a.to(torch.float32).clone(), b.to(torch.float32).clone())
     return Adapter(model.lora_spec, weights)
