@@ -68,7 +68,8 @@ def as_sampling(sampling: float | Sampling) -> Sampling:
 
 def processed_logits(logits: torch.Tensor, sampling: float | Sampling) -> torch.Tensor:
     """logits [N, V] -> the fp32 logits vLLM's CPU sampler draws from: / temperature, then -inf outside min-p, top-k
-    and top-p, each with vLLM's ops and dtypes (thresholds as fp32 tensors filled on the device, as vLLM holds them per request)."""
+    and top-p, each with vLLM's ops and dtypes (thresholds as fp32 tensors filled on the device, as vLLM holds them
+    per request)."""
     s = as_sampling(sampling)
     z = _scaled(logits, s.temperature)
     f32 = dict(dtype=torch.float32, device=z.device)
