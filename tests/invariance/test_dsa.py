@@ -1,7 +1,7 @@
 """K3.1's DSA lightning indexer in the shared forward (configs/k3.1-tiny.yaml: bf16, MXFP4 experts, FP8 latents and
 index keys, each query attending its 16 best positions): the selection and the sparse attention keep every schedule's
 bits (prefill then decode, one pass, alone or in a batch) with sparsity live; positions whose whole context fits in
-top-k give dense attention's bits; the selection is the float64 reference's; both trainers give the shared forward's
+top-k give dense attention's bits; the selection is the float64 reference's; the Megatron trainer gives the shared forward's
 bits and train with the indexer frozen; the real vLLM engine (index keys in its paged FP8 cache beside the latents)
 samples the shared forward's bits under chunked prefill, batching and prefix-cache hits."""
 
