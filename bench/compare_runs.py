@@ -65,8 +65,8 @@ def main() -> int:
             print(f"  {fb} missing")
             bad += 1
             continue
-        ta = dict(tensors(torch.load(fa, map_location="cpu", weights_only=False)))
-        tb = dict(tensors(torch.load(fb, map_location="cpu", weights_only=False)))
+        ta = dict(tensors(torch.load(fa, map_location="cpu", weights_only=True)))
+        tb = dict(tensors(torch.load(fb, map_location="cpu", weights_only=True)))
         unequal = [k for k in ta.keys() | tb.keys()
                    if k not in ta or k not in tb or not torch.equal(ta[k], tb[k]) or ta[k].dtype != tb[k].dtype]
         total += len(ta.keys() | tb.keys())
