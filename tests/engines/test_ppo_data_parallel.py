@@ -1,13 +1,15 @@
-"""Training past one rank: `zerokl ppo` on k3-tiny-mxfp4 over two data-parallel ranks, each training on its own half
-of every step's samples (`data_parallel: shard`, the default) - on Megatron at TP 2 x EP 2 x DP 2 (four processes:
-each TP pair holds half of every dense layer's heads and columns, each EP pair half of the routed experts, Megatron's
-distributed optimizer over the DP pair; on image prompts, with GAE's value head and the vision tower, both
-replicated on every rank, training with them). The metrics show both halves
-(their sample and token counts and their mean rewards, which differ); every sampled log-prob, raw log-prob and expert
-choice of both halves is checked bit for bit against the one-process rollout engine; and the run is deterministic:
-resumed from its step-1 checkpoint on fresh processes, step 1's metrics and the final weights are bitwise the
-uninterrupted run's. The Megatron ranks save their own parts of the weights, every tensor once, and `zerokl export`
-gathers them into a servable official checkpoint.
+"""Training past one rank: `zerokl ppo --nproc-per-node 4` on k3-tiny-mxfp4 at each kind of layout - TP 2 x EP 2, TP 2
+alone (with LoRA) and EP 2 alone (the dense layers over DP 4) - each with KL 0 every step and resumed bit for bit.
+
+At TP 2 x EP 2 x DP 2 (each TP pair holds half of every dense layer's heads and columns, each EP pair half of the
+routed experts, Megatron's distributed optimizer over the DP pair) the two data-parallel ranks each train on their own
+half of every step's samples (`data_parallel: shard`, the default), on image prompts, with GAE's value head and the
+vision tower, both replicated on every rank, training with them. The metrics show both halves (their sample and token
+counts and their mean rewards, which differ); every sampled log-prob, raw log-prob and expert choice of both halves is
+checked bit for bit against the one-process rollout engine; and the run is deterministic: resumed from its step-1
+checkpoint on fresh processes, step 1's metrics and the final weights are bitwise the uninterrupted run's. The
+Megatron ranks save their own parts of the weights, every tensor once, and `zerokl export` gathers them into a
+servable official checkpoint.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ STEPS = 2
 
 
 LAYOUT = ("--nproc-per-node", "4", "--tp", "2", "--ep", "2")
+TP_ONLY = ("--nproc-per-node", "4", "--tp", "2")  # TP 2 x DP 2, every expert on every rank
+EP_ONLY = ("--nproc-per-node", "4", "--ep", "2")  # TP 1: DP 4 for the dense layers, the experts split over EP 2
 MINIBATCHES = 2  # the old-log-prob pass runs, each DP rank scoring its block
 # what the run trains at TP x EP besides the text model: GAE's value head (the old pass gathers its values too) and
 # the vision tower, on image prompts
@@ -48,8 +52,8 @@ MODEL_PARALLEL_KEYS = {"advantage": "gae", "task": "squares", "task_args": "{max
                        "vision_tower": "trainable"}
 
 
-def _ppo(*argv: str) -> str:
-    res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", *argv, *LAYOUT],
+def _ppo(*argv: str, layout: tuple[str, ...] = LAYOUT) -> str:
+    res = subprocess.run([str(Path(sys.executable).with_name("zerokl")), "ppo", *argv, *layout],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
@@ -133,21 +137,23 @@ def test_sharded_ranks_train_on_their_halves_and_resume_bitwise(k3_tiny_mxfp4: P
     assert mem.dp == mem.expert_dp == 2 and all(abs(h - mem.adam) <= padding for h in held), (held, mem.adam)
 
 
-def test_lora_at_tp2_ep2_dp2_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """`--lora` on four Megatron ranks at TP 2 x EP 2 x DP 2 (`data_parallel: replicate`: both DP ranks train on the
+def test_lora_at_tp2_dp2_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`--lora` on four Megatron ranks at TP 2 x DP 2 (`data_parallel: replicate`: both DP ranks train on the
     whole batch; each TP rank holds its shard of the adapter; the distributed optimizer shards its Adam state over
     DP): KL 0 every step, and the run resumed from its step-1 checkpoint (the adapter copied back into each rank's TP
     shard) ends with the uninterrupted run's adapter bit for bit (the adapter's save is collective: every rank takes
-    part, rank 0 writes)."""
+    part, rank 0 writes). (LoRA at TP 2 x EP 2: tests/trainers/test_lora_parallel.py, on both kernel sets.)"""
     from safetensors.torch import load_file
 
     config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
     config.write_text(config.read_text() + "data_parallel: replicate\n")
     run, resumed = tmp_path / "run", tmp_path / "resumed"
-    _ppo("--config", str(config), "--out", str(run), "--lora")
+    out = _ppo("--config", str(config), "--out", str(run), "--lora", layout=TP_ONLY)
+    assert "4 processes, TP 2 x DP 2, experts over EP 1; each DP rank trains on the whole batch" in out, out[-2000:]
     assert all(m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 for m in _metrics(run))
-    _ppo("--config", str(config), "--out", str(resumed), "--lora", "--resume", str(run / "checkpoints" / "step-1"))
+    _ppo("--config", str(config), "--out", str(resumed), "--lora", "--resume", str(run / "checkpoints" / "step-1"),
+         layout=TP_ONLY)
     assert {k: v for k, v in _metrics(resumed)[0].items() if k not in TIMING_KEYS} == \
         {k: v for k, v in _metrics(run)[1].items() if k not in TIMING_KEYS}
     want, got = ([load_file(p) for p in sorted((d / "checkpoints" / f"step-{STEPS}" / "adapter").glob("*.safetensors"))]
@@ -159,3 +165,28 @@ def test_lora_at_tp2_ep2_dp2_keeps_zero_kl_and_resumes_bitwise(k3_tiny_mxfp4: Pa
     assert not (tmp_path / "exported").exists()
     assert want and len(want) == len(got)
     assert all(a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a) for a, b in zip(want, got))
+
+
+def test_experts_over_ep2_with_dense_dp4_keep_zero_kl_and_resume_bitwise(k3_tiny_mxfp4: Path, tmp_path: Path) -> None:
+    """Four Megatron ranks at EP 2 (TP 1): every rank holds the dense layers and trains on its own quarter of each
+    step's samples (DP 4), each EP pair splits the routed experts (expert DP 2): KL 0 and every log-prob and expert
+    choice bitwise every step; resumed from its step-1 checkpoint, step 1's metrics and every rank's saved weights
+    are the uninterrupted run's bit for bit."""
+    config = ppo_config_file(tmp_path, PPO_REFERENCE_CONFIG, k3_tiny_mxfp4, steps=STEPS, checkpoint_every=1)
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    out = _ppo("--config", str(config), "--out", str(run), layout=EP_ONLY)
+    assert "4 processes, TP 1 x DP 4, experts over EP 2; each DP rank trains on its own part" in out, out[-2000:]
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == list(range(STEPS)) and all(m["dp_size"] == 4 for m in metrics)
+    assert all(sum(m[f"dp_rank{r}_samples"] for r in range(4)) == 32 and m["dp_rank3_samples"] == 8 for m in metrics)
+    for m in metrics:
+        assert m["kl"] == 0.0 and m["bitwise_equal_frac"] == 1.0 and m["raw_bitwise_equal_frac"] == 1.0 \
+            and m["routing_agreement"] == 1.0 and m["parity_checked_frac"] == 1.0, m
+    _ppo("--config", str(config), "--out", str(resumed), "--resume", str(run / "checkpoints" / "step-1"),
+         layout=EP_ONLY)
+    again = _metrics(resumed)
+    assert [m["step"] for m in again] == [1]
+    assert {k: v for k, v in again[0].items() if k not in TIMING_KEYS} == \
+        {k: v for k, v in metrics[1].items() if k not in TIMING_KEYS}
+    want, got = (_saved_weights(d / "checkpoints" / f"step-{STEPS}") for d in (run, resumed))
+    assert want and got.keys() == want.keys() and all(torch.equal(got[k], t) for k, t in want.items())
