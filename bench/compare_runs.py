@@ -1,8 +1,9 @@
 """Two `zerokl ppo` runs of one config, the second resumed from a checkpoint of the first: are they the same run?
 
 Every metric but the timings (`zerokl.ppo.metrics.TIMING_KEYS`) of each step the resumed run logged against the same
-step of the first, and every tensor of every `.pt` file of checkpoint NAME in both (`torch.equal`: bits, dtypes,
-shapes). Exit 0 when all are equal, 1 otherwise.
+step of the first, and every tensor of every `.pt` and `.safetensors` file of checkpoint NAME in both (`torch.equal`:
+bits, dtypes, shapes; a run on several processes keeps each rank's weights in `weights-rank{r}.safetensors`). Exit 0
+when all are equal, 1 otherwise.
 
     python bench/compare_runs.py RUN_DIR RESUMED_DIR step-20
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,6 +44,13 @@ def tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from tensors(v, f"{prefix}[{i}]")
 
 
+def load(path: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint file's tensors by name (`.safetensors`, or a `.pt` loaded without unpickling code)."""
+    if path.suffix == ".safetensors":
+        return load_file(path)
+    return dict(tensors(torch.load(path, map_location="cpu", weights_only=True)))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("first", type=Path)
@@ -57,7 +66,7 @@ def main() -> int:
         print(f"  step {s}:", {k: (v, first.get(s, {}).get(k)) for k, v in resumed[s].items()
                                if v != first.get(s, {}).get(k)})
     root_a, root_b = a.first / "checkpoints" / a.checkpoint, a.resumed / "checkpoints" / a.checkpoint
-    files = sorted(root_a.rglob("*.pt"))
+    files = sorted(f for f in root_a.rglob("*") if f.suffix in (".pt", ".safetensors"))
     total = bad = 0
     for fa in files:
         fb = root_b / fa.relative_to(root_a)
@@ -65,8 +74,7 @@ def main() -> int:
             print(f"  {fb} missing")
             bad += 1
             continue
-        ta = dict(tensors(torch.load(fa, map_location="cpu", weights_only=True)))
-        tb = dict(tensors(torch.load(fb, map_location="cpu", weights_only=True)))
+        ta, tb = load(fa), load(fb)
         unequal = [k for k in ta.keys() | tb.keys()
                    if k not in ta or k not in tb or not torch.equal(ta[k], tb[k]) or ta[k].dtype != tb[k].dtype]
         total += len(ta.keys() | tb.keys())
