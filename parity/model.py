@@ -309,7 +309,7 @@ class K3Forward(MLAttention, ExpertWeights):
         layer = c.num_hidden_layers + k
         p = self.names.layer(layer)
         e = self.embed(ids).to(self.dtype)
-        e = torch.where((pos == 0).unsqueeze(-1), torch.zeros((), dtype=e.dtype, device=e.device), e)
+        e = torch.where((pos == 0).unsqueeze(-1), 0.0, e)
         both = torch.cat([self._norm(e, f"{p}.enorm.weight"), self._norm(prev.to(self.dtype), f"{p}.hnorm.weight")],
                          dim=-1)
         x = self._lin(both, f"{p}.eh_proj.weight")

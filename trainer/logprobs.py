@@ -95,16 +95,15 @@ def padded_logprobs(fwd: K3Forward, input_ids: torch.Tensor, lens: torch.Tensor,
     logits = fwd.logits(hidden[:, :-1])
     lp = fwd.token_logprobs(logits, input_ids[:, 1:], temperature)  # [B, T-1]
     scored = torch.arange(t - 1, device=lp.device).view(1, -1) < (lens - 1).view(-1, 1)
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    out = [F.pad(torch.where(scored, lp, zero), (0, 1))]
+    out = [F.pad(torch.where(scored, lp, 0.0), (0, 1))]
     if raw:
-        out.append(F.pad(torch.where(scored, fwd.token_logprobs(logits, input_ids[:, 1:], 1.0), zero), (0, 1)))
+        out.append(F.pad(torch.where(scored, fwd.token_logprobs(logits, input_ids[:, 1:], 1.0), 0.0), (0, 1)))
     if entropy:
-        out.append(F.pad(torch.where(scored, next_token_entropy(logits, temperature), zero), (0, 1)))
+        out.append(F.pad(torch.where(scored, next_token_entropy(logits, temperature), 0.0), (0, 1)))
     if value_head is not None:
         normed = fwd.k.rmsnorm(hidden[:, :-1], fwd.weight(fwd.names.norm), fwd.cfg.rms_norm_eps)
         values = (normed.float() @ value_head[:, :-1].t()).squeeze(-1) / normed.shape[-1] + value_head[0, -1]
-        out.append(F.pad(torch.where(scored, values, zero), (0, 1)))
+        out.append(F.pad(torch.where(scored, values, 0.0), (0, 1)))
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -114,7 +113,7 @@ def next_token_entropy(logits: torch.Tensor, temperature: float | Sampling) -> t
     z = processed_logits(logits.reshape(-1, logits.shape[-1]), temperature).view(logits.shape)
     logp = torch.log_softmax(z, dim=-1)
     p = logp.exp()
-    return -(p * torch.where(p > 0, logp, torch.zeros((), dtype=p.dtype, device=p.device))).sum(dim=-1)  # no 0 * -inf, also in grads
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(dim=-1)  # no 0 * -inf, also in grads
 
 
 def token_logprobs(model: torch.nn.Module, batch: PaddedBatch | PackedBatch,

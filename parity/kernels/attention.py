@@ -59,11 +59,11 @@ def _tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         key_pos = torch.arange(start, start + KV_TILE, device=dev).view(1, 1, KV_TILE)
         visible = (key_pos <= pos) & (key_pos < lens)  # [N, Q_TILE, KV_TILE]
         key_ok = (key_pos < lens).view(-1, KV_TILE, 1)
-        vt = torch.where(key_ok, vt, torch.zeros((), dtype=vt.dtype, device=vt.device))
+        vt = torch.where(key_ok, vt, 0.0)
         s = torch.bmm(qt, kt.transpose(1, 2)) * scale
-        s = torch.where(visible, s, torch.full((), float("-inf"), device=s.device))
+        s = torch.where(visible, s, float("-inf"))
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
         p = torch.exp(s - m_safe)
         alpha = torch.exp(torch.where(torch.isinf(m), torch.full_like(m, float("-inf")), m - m_safe))
         l = l * alpha + tree_sum(p).unsqueeze(-1)
@@ -99,10 +99,9 @@ class _Attention(torch.autograd.Function):
         visible = _visible(q_pos, kv_len, k.shape[1])
         key_pos = torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1)
         key_ok = key_pos < kv_len.view(-1, 1, 1, 1)  # stale cache rows: zeroed
-        zero = torch.zeros((), dtype=q.dtype, device=q.device)  # a CPU scalar would be copied over: a sync
-        kh, vh = torch.where(key_ok, kh, zero), torch.where(key_ok, vh, zero)
+        kh, vh = torch.where(key_ok, kh, 0.0), torch.where(key_ok, vh, 0.0)
         s = torch.matmul(qh, kh.transpose(2, 3)) * scale
-        p = torch.where(visible, torch.exp(s - lse.unsqueeze(-1)), torch.zeros((), dtype=s.dtype, device=s.device))
+        p = torch.where(visible, torch.exp(s - lse.unsqueeze(-1)), 0.0)
         dv = torch.matmul(p.transpose(2, 3), doh)
         dp = torch.matmul(doh, vh.transpose(2, 3))
         ds = p * (dp - (doh * oh).sum(-1, keepdim=True)) * scale
@@ -154,8 +153,7 @@ def paged(attention: Callable) -> Callable:
         k = gather_paged(k_cache, block_table).to(q.dtype)
         v = gather_paged(v_cache, block_table).to(q.dtype)
         held = (torch.arange(k.shape[1], device=k.device).view(1, -1) < kv_len.view(-1, 1)).view(*k.shape[:2], 1, 1)
-        zero = torch.zeros((), dtype=q.dtype, device=q.device)
-        return attention(q, torch.where(held, k, zero), torch.where(held, v, zero), q_pos, kv_len, scale)
+        return attention(q, torch.where(held, k, 0.0), torch.where(held, v, 0.0), q_pos, kv_len, scale)
 
     attention_paged.__qualname__ = f"paged({attention.__name__})"
     return attention_paged

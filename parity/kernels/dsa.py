@@ -26,7 +26,7 @@ def _visible(scores: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor) ->
     b, _, s = scores.shape
     key_pos = torch.arange(s, device=scores.device).view(1, 1, s)
     visible = (key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(b, 1, 1))
-    return torch.where(visible, scores, torch.full((), float("-inf"), device=scores.device))
+    return torch.where(visible, scores, float("-inf"))
 
 
 def index_scores_invariant(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor,

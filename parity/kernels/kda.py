@@ -45,7 +45,7 @@ def _step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     o = tree_sum(q.unsqueeze(-1) * s_new, dim=-2) * scale
     if keep is not None:
         s_new = torch.where(keep.view(-1, 1, 1, 1), s_new, s)
-        o = torch.where(keep.view(-1, 1, 1), o, torch.zeros_like(o))
+        o = torch.where(keep.view(-1, 1, 1), o, 0.0)
     return o, s_new
 
 
@@ -87,10 +87,9 @@ def _step_backward(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     dg = a * torch.einsum("bhkv,bhkv->bhk", d_s1, s)
     if keep is not None:  # a padding token: state passed through, no input gradient
         k4, k3, k2 = keep.view(-1, 1, 1, 1), keep.view(-1, 1, 1), keep.view(-1, 1)
-        zero = torch.zeros((), dtype=ds.dtype, device=ds.device)
         ds = torch.where(k4, ds, ds_next)
-        dq, dk, dg = (torch.where(k3, t, zero) for t in (dq, dk, dg))
-        dv, dbeta = torch.where(k3, dv, zero), torch.where(k2, dbeta, zero)
+        dq, dk, dg = (torch.where(k3, t, 0.0) for t in (dq, dk, dg))
+        dv, dbeta = torch.where(k3, dv, 0.0), torch.where(k2, dbeta, 0.0)
     return ds, dq, dk, dv, dg, dbeta
 
 
@@ -155,8 +154,8 @@ def _padding_as_identity(g: torch.Tensor, beta: torch.Tensor,
     it is, so padding runs as identity steps."""
     if valid is None:
         return g, beta
-    return (torch.where(valid[..., None, None], g, torch.zeros((), dtype=g.dtype, device=g.device)),
-            torch.where(valid[..., None], beta, torch.zeros((), dtype=beta.dtype, device=beta.device)))
+    return (torch.where(valid[..., None, None], g, 0.0),
+            torch.where(valid[..., None], beta, 0.0))
 
 
 def _fla_runs(q: torch.Tensor) -> bool:
@@ -205,7 +204,7 @@ def kda_fast(
         if valid is not None:
             keep = valid[:, t].view(-1, 1, 1, 1)
             s_new = torch.where(keep, s_new, s)
-            o = torch.where(keep.view(-1, 1, 1), o, torch.zeros_like(o))
+            o = torch.where(keep.view(-1, 1, 1), o, 0.0)
         s = s_new
         outs.append(o)
     if not outs:

@@ -402,15 +402,14 @@ def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
         xn = x.gather(1, ex(new_idx))
         xo = pend.to(x.dtype).gather(1, ex(old_idx))
         shp = (b, -1, *([1] * len(tail)))
-        zero = torch.zeros((), dtype=x.dtype, device=dev)
-        return torch.where(from_old.view(shp), xo, torch.where(from_new.view(shp), xn, zero))
+        return torch.where(from_old.view(shp), xo, torch.where(from_new.view(shp), xn, 0.0))
 
     qc, kc, vc, gcomb, bc = (combine(x, p) for x, p in ((q, st.q), (k, st.k), (v, st.v), (g, st.g), (beta, st.beta)))
     o_c, s_new = _chunked(qc, kc, vc, gcomb, bc, scale, st.state.contiguous(), total, v.dtype)
     # outputs back to this call's positions
     vrank = (torch.cumsum(valid.to(torch.long), 1) - 1 + st.n.view(-1, 1)).clamp(min=0)
     o = o_c.gather(1, vrank.view(b, t, 1, 1).expand(b, t, h, vd))
-    o = torch.where(valid.view(b, t, 1, 1), o, torch.zeros((), dtype=o.dtype, device=dev))
+    o = torch.where(valid.view(b, t, 1, 1), o, 0.0)
     # the unfinished chunk becomes the pending inputs
     done = (total // CHUNK) * CHUNK
     n_new = total - done
@@ -421,7 +420,7 @@ def _kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
     def pending(x: torch.Tensor) -> torch.Tensor:
         tail = x.shape[2:]
         got = x.gather(1, pidx.view(b, CHUNK, *([1] * len(tail))).expand(b, CHUNK, *tail))
-        return torch.where(keep.view(b, CHUNK, *([1] * len(tail))), got, torch.zeros((), dtype=x.dtype, device=dev))
+        return torch.where(keep.view(b, CHUNK, *([1] * len(tail))), got, 0.0)
 
     new = KDAChunkState(s_new, pending(qc), pending(kc), pending(vc), pending(gcomb), pending(bc), n_new)
     return o, new
