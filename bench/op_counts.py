@@ -1,14 +1,16 @@
 """Where a trainer step's launches come from: every aten op of one Megatron trainer step (forward, backward, grad
-finalisation, optimizer), counted by op and by the repository line that issued it.
+finalisation, optimizer), counted by op and by the repository lines that issued it.
 
-On CUDA each aten op that computes (not a view, not an empty allocation) is about one kernel launch, and the Triton
-kernels add one each; `bench/profile_gpu.py --parts tprofile` counts the launches themselves but cannot say which
-line of zerokl made them. This script runs anywhere: on a CPU the Triton kernel set runs under Triton's interpreter
-(set `TRITON_INTERPRET=1`), and the torch ops around the kernels, which are what the counts are about, are the same
-ops the GPU step issues (the single-tensor Adam of a CPU run adds ~10 ops per parameter that CUDA's multi-tensor Adam
-does in a few launches). The ops inside Triton's interpreter are not counted.
+On CUDA each aten op that computes (not a view, not an empty allocation) is about one kernel launch, and each Triton
+kernel (zerokl's, fla's) adds one that is not counted here; `bench/profile_gpu.py --parts tprofile` counts the
+launches themselves but cannot say which line of zerokl made them. Run on a GPU, this is the GPU step's table. It also
+runs on a CPU, the Triton kernel set under Triton's interpreter (set `TRITON_INTERPRET=1`): the torch ops around the
+kernels are then the GPU step's, with two exceptions that make a CPU count larger - KDA's gradient (on CUDA in bf16
+fla's chunked kernels, `parity.kernels.kda.kda_for_gradients`; on a CPU the token-by-token recurrence) and Adam (a
+single-tensor loop on a CPU, multi-tensor launches on CUDA). Ops run by Triton's own package are not counted.
 
     TRITON_INTERPRET=1 python bench/op_counts.py --config configs/k3-micro.yaml --kernels triton
+    python bench/op_counts.py --config configs/k3-1b.yaml --kernels invariant --batch 4 --len 256   # on CUDA
 """
 
 from __future__ import annotations
@@ -83,9 +85,10 @@ def main() -> int:
         ckpt = init_checkpoint(REPO / args.config, Path(tmp) / "ckpt", seed=0)
         backend = MegatronBackend(ckpt, lr=1e-5, clip_grad=1.0, weight_decay=0.0, kernels=args.kernels, adapter=None)
         try:
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer runs (as the GPU tests feed it)
             ids = torch.randint(4, backend.model_cfg.text.vocab_size, (args.batch, args.len),
-                                generator=torch.Generator().manual_seed(0))
-            lens = torch.full((args.batch,), args.len)
+                                generator=torch.Generator().manual_seed(0)).to(device)
+            lens = torch.full((args.batch,), args.len).to(device)
 
             def loss_fn(model: torch.nn.Module) -> torch.Tensor:
                 return model(ids, lens, 1.0).sum() / ids.numel()
