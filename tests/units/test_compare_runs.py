@@ -18,7 +18,7 @@ def _run(root: Path, weights: dict[str, torch.Tensor], reward: float, seconds: f
     (root / "checkpoints" / "step-2").mkdir(parents=True)
     torch.save(weights, root / "checkpoints" / "step-2" / "weights.pt")
     torch.save({"state": {0: {"exp_avg": weights["w"] * 2}}}, root / "checkpoints" / "step-2" / "optimizer.pt")
-    save_file({"v": weights["w"] + 1}, root / "checkpoints" / "step-2" / "weights-rank1.safetensors")
+    save_file({"v": -weights["w"]}, root / "checkpoints" / "step-2" / "weights-rank1.safetensors")
     rows = [{"step": 1, "kl": 0.0, "reward_mean": reward, "time_gen": seconds}]
     (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root
@@ -40,7 +40,7 @@ def test_compare_runs_ignores_timings_and_finds_one_flipped_bit(tmp_path: Path) 
     bit = _compare(a, _run(tmp_path / "c", flipped, 0.5, 1.0))
     assert bit.returncode == 1 and ".w" in bit.stdout
     flipped = {k: v.clone() for k, v in w.items()}
-    flipped["w"].view(torch.int32)[0, 0] ^= 1 << 8  # also moves the rank file's `v` (w + 1)
+    flipped["w"].view(torch.int32)[0, 0] ^= 1 << 8  # also flips the rank file's `v` (-w, exact)
     rank = _compare(a, _run(tmp_path / "e", flipped, 0.5, 1.0))
     assert rank.returncode == 1 and "weights-rank1.safetensors: 1 tensors, 1 differ" in rank.stdout, rank.stdout
     metric = _compare(a, _run(tmp_path / "d", w, 0.25, 1.0))
