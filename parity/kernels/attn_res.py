@@ -8,10 +8,36 @@ The invariant form sums with `tree_sum` (scores) and adds the n weighted candida
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from parity.kernels.norms import rmsnorm_fast, rmsnorm_invariant
-from parity.kernels.primitives import tree_sum, wide
+from parity.kernels.primitives import needs_grad, tree_sum, wide
+
+
+def _mix(a: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
+    """sum_i a_i c_i, the n weighted candidates added in index order: a: [N, n], cands: [N, n, D] -> [N, D]."""
+    out = a[:, 0:1] * cands[:, 0]
+    for i in range(1, cands.shape[1]):
+        out = out + a[:, i : i + 1] * cands[:, i]
+    return out
+
+
+class _Mix(torch.autograd.Function):
+    """`_mix` with its backward in two broadcast products, d c_i = a_i g (the products autograd through the loop
+    forms) and d a_i = g . c_i (one reduction over D per candidate): two launches, not a slice, product and
+    accumulation per candidate. Deterministic; not the loop's reduction order for d a."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, cands: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, cands)
+        return _mix(a, cands)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, cands = ctx.saved_tensors
+        return (g.unsqueeze(1) * cands).sum(-1), a.unsqueeze(-1) * g.unsqueeze(1)
 
 
 def attn_res_mix_invariant(cands: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,9 +47,7 @@ def attn_res_mix_invariant(cands: torch.Tensor, norm_w: torch.Tensor, proj_w: to
     scores = tree_sum(rmsnorm_invariant(cands, wide(norm_w), eps) * wide(proj_w))  # [N, n]
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     a = e / tree_sum(e).unsqueeze(-1)
-    out = a[:, 0:1] * cands[:, 0]
-    for i in range(1, cands.shape[1]):
-        out = out + a[:, i : i + 1] * cands[:, i]
+    out = _Mix.apply(a, cands) if needs_grad(a, cands) else _mix(a, cands)
     return out.to(out_dtype)
 
 

@@ -260,9 +260,11 @@ def kda_chunked(
     return o.to(out_dtype), s
 
 
-def _fla_differentiates(q: torch.Tensor) -> bool:
-    """fla's chunked kernels take the gradient: bf16 on CUDA (for fp32 inputs fla's products run in TF32)."""
-    return _fla_runs(q) and q.dtype == torch.bfloat16
+def _fla_differentiates(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """fla's chunked kernels take the gradient of a layer that computes in bf16 (v, the value projection, is bf16; q,
+    k, g and beta come widened to fp32, as vLLM's KDA kernel takes them) on CUDA: their products run in TF32, finer
+    than the layer's bf16. An fp32 layer keeps fp32 products (`kda_chunked`)."""
+    return _fla_runs(q) and v.dtype == torch.bfloat16
 
 
 def kda_for_gradients(
@@ -275,21 +277,22 @@ def kda_for_gradients(
     state: torch.Tensor,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence a trainer on the Triton kernels differentiates (`parity.kernels.triton.autograd`): bf16 on CUDA,
-    fla's chunked kernels (`chunk_kda`: its forward and its Triton backward), run inside `kda_gradient_context`;
-    other CUDA inputs the chunked form (`kda_chunked`, batched GEMMs); elsewhere `kda_invariant` and its chunked
+    """The recurrence a trainer on the Triton kernels differentiates (`parity.kernels.triton.autograd`): a bf16 layer
+    on CUDA (`_fla_differentiates`), fla's chunked kernels (`chunk_kda`: its forward and its Triton backward), run
+    inside `kda_gradient_context`; other CUDA inputs the chunked form (`kda_chunked`, batched GEMMs); elsewhere `kda_invariant` and its chunked
     backward. Each is the gradient of the same function, deterministic for fixed shapes."""
-    if _fla_differentiates(q):
+    if _fla_differentiates(q, v):
         return _kda_fla(q, k, v, g, beta, scale, state, valid)
     if q.is_cuda:
         return kda_chunked(q, k, v, g, beta, scale, state, valid)
     return kda_invariant(q, k, v, g, beta, scale, state, valid)
 
 
-def kda_gradient_context(q: torch.Tensor, *args, **kwargs) -> contextlib.AbstractContextManager:
+def kda_gradient_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args,
+                         **kwargs) -> contextlib.AbstractContextManager:
     """Where `kda_for_gradients` runs and is differentiated: with fla's kernels, each with one fixed launch
     configuration (`parity.kernels.fla_pinned`: no autotuning, so a run and its resume get the same gradient bits)."""
-    if _fla_differentiates(q):
+    if _fla_differentiates(q, v):
         from parity.kernels import fla_pinned
 
         return fla_pinned.pinned()

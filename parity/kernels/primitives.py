@@ -58,8 +58,7 @@ def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
     return torch.where(x > threshold, x, torch.log1p(torch.exp(torch.clamp(x, max=threshold))))
 
 
-def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sum over `dim` by fixed pairwise halving; the result for one row depends on that row only."""
+def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     x = x.movedim(dim, -1)
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()
@@ -69,6 +68,29 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
+
+
+class _TreeSum(torch.autograd.Function):
+    """`_tree_sum` with its exact gradient in one view: every input element enters the sum once with weight 1, so its
+    gradient is the row's gradient itself (what autograd through the halvings gives, one slice and one add of zeros
+    per halving, bit for bit up to the sign of a zero), broadcast over `dim`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.shape, ctx.dim = x.shape, dim % x.dim()
+        return _tree_sum(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.unsqueeze(ctx.dim).expand(ctx.shape), None
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` by fixed pairwise halving; the result for one row depends on that row only. Under autograd its
+    backward is one broadcast (`_TreeSum`), not the halvings' slices."""
+    if needs_grad(x):
+        return _TreeSum.apply(x, dim)
+    return _tree_sum(x, dim)
 
 
 def needs_grad(*xs: torch.Tensor) -> bool:

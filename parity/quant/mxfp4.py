@@ -107,11 +107,18 @@ def scale_exponents(w: torch.Tensor) -> torch.Tensor:
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """The E2M1 code (uint8: magnitude index 0..7, sign bit 3) of the nearest E2M1 value to fp32 `v`, ties to even,
     saturating at +-6, the sign kept (-0 for small negatives)."""
-    a = v.abs()
-    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
-    for bound, tie_up in _BOUNDS:
-        code += (a >= bound) if tie_up else (a > bound)
+    a = v.abs().nan_to_num_(0.0)  # NaN: code 0, as no bound lies below it
+    code = torch.bucketize(a, _strict_bounds(a.device), out_int32=True).to(torch.uint8)
     return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+@functools.cache
+def _strict_bounds(device: torch.device) -> torch.Tensor:
+    """`_BOUNDS` as fp32 bounds to count strictly below a magnitude (one `bucketize`): a bound a value on which rounds
+    up moved to the fp32 value just below it (a >= b is a > prev(b) for fp32 a); made once per device."""
+    bounds = torch.tensor([b for b, _ in _BOUNDS], dtype=torch.float32)
+    up = torch.tensor([tie_up for _, tie_up in _BOUNDS])
+    return torch.where(up, bounds.nextafter(torch.zeros(())), bounds).to(device)
 
 
 def _grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

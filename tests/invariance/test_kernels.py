@@ -61,6 +61,24 @@ def test_tree_sum_matches_float64() -> None:
     torch.testing.assert_close(tree_sum(x), x.double().sum(-1).float(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape,dim", [((7, 1000), -1), ((3, 5, 6, 4), -2), ((3, 5, 6, 4), 1), ((2, 1), 0)])
+def test_tree_sum_gradient_is_the_row_gradient_broadcast(shape: tuple[int, ...], dim: int) -> None:
+    """The one-view backward equals autograd through the halvings bit for bit (up to the sign of a zero), and leaves
+    the forward's bits as they are."""
+    from parity.kernels.primitives import _tree_sum
+
+    g = torch.Generator().manual_seed(len(shape) + dim)
+    x = torch.randn(shape, generator=g).requires_grad_()
+    cot = torch.randn(_tree_sum(x.detach(), dim).shape, generator=g)
+    cot.view(-1)[0] = -0.0
+    out = tree_sum(x, dim)
+    assert torch.equal(out, _tree_sum(x.detach(), dim))
+    (got,) = torch.autograd.grad(out, x, cot)
+    (ref,) = torch.autograd.grad(_tree_sum(x, dim), x, cot)
+    assert torch.equal(got + 0.0, ref + 0.0)
+    assert torch.equal(got, cot.unsqueeze(dim).expand(shape))
+
+
 # --- linear ---------------------------------------------------------------------------------------
 
 @SETTINGS
@@ -323,6 +341,28 @@ def test_attn_res_mix_row_invariant_and_reference() -> None:
     s = (cd * torch.rsqrt(cd.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()) @ pw.double()
     ref = (torch.softmax(s, -1).unsqueeze(-1) * cd).sum(1)
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_attn_res_mix_gradient_within_fp32_rounding_of_float64() -> None:
+    """The invariant mix's gradient (candidates and both weights) against float64 autograd of the same formula,
+    norm-wise within the rounding of fp32 sums of at most D + n terms (gamma = (D + n) 2^-24), times 4 for the chain
+    (norm, scores, softmax, mix); deterministic."""
+    n_tok, n, d = 13, 5, 64
+    g = torch.Generator().manual_seed(3)
+    c, nw, pw = torch.randn(n_tok, n, d, generator=g), torch.randn(d, generator=g), torch.randn(d, generator=g) / 8
+    cot = torch.randn(n_tok, d, generator=g)
+
+    def grads(fn, *xs):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        return torch.autograd.grad(fn(*leaves, 1e-6), leaves, cot.to(xs[0].dtype))
+
+    got = grads(INVARIANT.attn_res_mix, c, nw, pw)
+    for a, b in zip(got, grads(INVARIANT.attn_res_mix, c, nw, pw)):
+        assert_bits(a, b)
+    ref = grads(FAST.attn_res_mix, c.double(), nw.double(), pw.double())
+    for name, a, r in zip(("cands", "norm_w", "proj_w"), got, ref):
+        err = (a.double() - r).norm() / r.norm()
+        assert err <= 4 * (d + n) * 2.0**-24, f"d {name}: {err:.3g}"
 
 
 # --- MoE ------------------------------------------------------------------------------------------

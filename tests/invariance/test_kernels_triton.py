@@ -248,6 +248,43 @@ def test_rowwise_ops_match_float64(p: Platform) -> None:
               1e-5)
 
 
+def test_rowwise_gradients_within_fp32_rounding_of_float64(p: Platform) -> None:
+    """Every row-wise Triton op's gradient (from the invariant reading's torch op, on CUDA the fast set's reading of
+    the same function) against float64 autograd: norm-wise within the rounding of fp32 sums of D terms
+    (gamma = D 2^-24), times 8 for the longest chain (attn_res_mix: norm, scores, softmax, mix); deterministic."""
+    d = 200
+    g = torch.Generator().manual_seed(23)
+    x, y, w = torch.randn(9, d, generator=g), torch.randn(9, d, generator=g), torch.randn(d, generator=g)
+    cands, proj = torch.randn(9, 5, d, generator=g), torch.randn(d, generator=g) / 8
+    f, a_log, dt = torch.randn(3, 4, 8, generator=g) * 3, torch.randn(4, generator=g), torch.randn(4, 8, generator=g)
+    cases = [
+        ("sigmoid", lambda kk, x: kk.sigmoid(x), (x,)),
+        ("rmsnorm", lambda kk, x, w: kk.rmsnorm(x, w, 1e-6), (x, w)),
+        ("gated_rmsnorm", lambda kk, x, y, w: kk.gated_rmsnorm(x, y, w, 1e-6), (x, y, w)),
+        ("l2norm", lambda kk, x: kk.l2norm(x), (x,)),
+        ("situ_glu", lambda kk, x, y: kk.situ_glu(x, y, 4.0, 25.0), (x, y)),
+        ("silu_glu", lambda kk, x, y: kk.silu_glu(x, y), (x, y)),
+        ("kda_gate", lambda kk, f, a, dt: kk.kda_gate(f, a, dt, -5.0), (f, a_log, dt)),
+        ("kda_gate unbounded", lambda kk, f, a, dt: kk.kda_gate(f, a, dt, None), (f, a_log, dt)),
+        ("attn_res_mix", lambda kk, c, w, pw: kk.attn_res_mix(c, w, pw, 1e-6), (cands, w, proj)),
+    ]
+    for name, op, inputs in cases:
+        cot = torch.randn(op(INVARIANT, *inputs).shape, generator=g)
+
+        def grads() -> tuple[torch.Tensor, ...]:
+            leaves = [p.t(t).requires_grad_() for t in inputs]
+            return torch.autograd.grad(op(p.k, *leaves), leaves, p.t(cot))
+
+        got = grads()
+        for a, b in zip(got, grads()):
+            assert_bits(a, b)
+        leaves = [t.double().requires_grad_() for t in inputs]
+        ref = torch.autograd.grad(op(FAST, *leaves), leaves, cot.double())
+        for i, (a, r) in enumerate(zip(got, ref)):
+            err = (a.double().cpu() - r).norm() / r.norm()
+            assert err <= 8 * d * 2.0**-24, f"{name} input {i}: norm-wise relative error {err:.3g}"
+
+
 def test_logprobs_large_vocab_and_bf16(p: Platform) -> None:
     """Several vocabulary blocks (V > 4096), fp32 and bf16 logits, one row alone vs in the batch."""
     x = torch.randn(3, 9000) * 4
@@ -959,6 +996,39 @@ def test_gpu_kda_bf16_prefill_equals_decode(gpu: Platform) -> None:
     assert_bits(torch.cat(outs, 1), full[:, :1040])
     ref, _ = FAST.kda(*(x.double().cpu() for x in ins[:4]), ins[4].double().cpu(), d**-0.5, s0.double().cpu())
     assert (full.double().cpu() - ref).abs().max() < 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_kda_gradient_of_a_bf16_layer(gpu: Platform) -> None:
+    """A bf16 KDA layer's gradient at K3's head size (d = 128; q, k, g, beta fp32 and v bf16, as the model feeds the op)
+    comes from fla's chunked kernels pinned to one configuration: the same bits on every run, and within the rounding
+    of TF32 products (unit 2^-11; fla chains at most 8 products into a gradient, each operand rounded once: 16 units,
+    norm-wise; dv, a bf16 gradient, one rounding to bf16 more, 2^-8) of the float64 gradient of the same recurrence
+    (`kda_chunked` in float64)."""
+    from parity.kernels.kda import kda_chunked
+
+    t, h, d = 300, 4, 128
+    q, k, v, g, beta = _kda_inputs(2, t, h=h, dk=d, dv=d, seed=13)
+    v = v.bfloat16()
+    cot = torch.randn(2, t, h, d, generator=torch.Generator().manual_seed(14)).bfloat16()
+    valid = torch.arange(t)[None] < torch.tensor([[t], [t - 37]])
+
+    def grads() -> list[torch.Tensor]:
+        leaves = [x.cuda().requires_grad_() for x in (q, k, v, g, beta)]
+        o, _ = gpu.k.kda(*leaves, d**-0.5, torch.zeros(2, h, d, d, device="cuda"), valid.cuda())
+        return list(torch.autograd.grad(o, leaves, cot.cuda()))
+
+    got = grads()
+    for a, b in zip(got, grads()):
+        assert_bits(a, b)
+    leaves = [x.double().requires_grad_() for x in (q, k, v, g, beta)]
+    o, _ = kda_chunked(*leaves, d**-0.5, torch.zeros(2, h, d, d, dtype=torch.float64), valid)
+    ref = torch.autograd.grad(o, leaves, cot.double())
+    for name, a, r in zip("qkvgb", got, ref):
+        assert a.dtype == (torch.bfloat16 if name == "v" else torch.float32), name
+        err = (a.double().cpu() - r).norm() / r.norm()
+        assert err <= 16 * 2.0**-11 + (2.0**-8 if name == "v" else 0.0), f"d{name}: norm-wise relative error {err:.3g}"
+        print(f"d{name}: norm-wise relative error {err:.3g}")
 
 
 @pytest.mark.gpu

@@ -21,9 +21,11 @@ CPU kernels' bits. What pins each property is in each module's docstring:
 Gradients: linear's and the grouped experts' in Triton (`linear_grad.py`: dX and dW as GEMMs of the same machinery;
 `moe_grad.py`: grouped GEMMs over the forward's saved products, the routing on the device; both deterministic and
 reading what the forward saved). Every other op (`autograd.py`) runs its Triton forward and takes its backward
-from the CPU invariant set's op re-run on the saved inputs (torch code, on any device); KDA's on CUDA from fla's
-chunked kernels for bf16, each pinned to one launch configuration (`parity.kernels.fla_pinned`), and from its chunked
-form in torch for fp32 (`parity.kernels.kda.kda_for_gradients`).
+from a torch op re-run on the saved inputs: the CPU invariant set's, on CUDA the fast set's for the row-wise ops
+(`_FAST_GRADIENT_ON_CUDA`: fewer launches, deterministic); KDA's on CUDA from fla's
+chunked kernels for a bf16 layer (TF32 products), each pinned to one launch configuration
+(`parity.kernels.fla_pinned`), and from its chunked form in torch for an fp32 one (`parity.kernels.kda.
+kda_for_gradients`).
 
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
@@ -45,7 +47,7 @@ import torch
 
 from parity.kernels.kda import kda_for_gradients, kda_gradient_context
 from parity.kernels.moe import experts_stacked
-from parity.kernels.registry import INVARIANT, Kernels
+from parity.kernels.registry import FAST, INVARIANT, Kernels
 from parity.kernels.triton import attention, attn_res, conv, dsa, kda, moe, rowwise
 from parity.kernels.triton.attention import attention_paged
 from parity.kernels.triton.autograd import trainable
@@ -72,19 +74,26 @@ _TRITON_OPS = dict(
     attn_res_mix=attn_res.attn_res_mix,
     route=moe.route,
 )
-_GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients)  # where each Triton op's gradient comes from
-_AROUND = {"kda": kda_gradient_context}  # the context an op's backward runs in, where it needs one
-TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f), _AROUND.get(f))
-                                   for f, op in _TRITON_OPS.items()},
-                 linear=linear_trainable, token_logprobs=INVARIANT.token_logprobs, experts=experts_trainable)
-
-
 def _by_device(cpu: Callable, gpu: Callable) -> Callable:
     def op(x: torch.Tensor, *args, **kwargs):
         return (gpu if x.is_cuda else cpu)(x, *args, **kwargs)
 
     op.__doc__ = f"{gpu.__module__}.{gpu.__name__} on CUDA tensors, else {cpu.__module__}.{cpu.__name__}"
     return op
+
+
+# Where each Triton op's gradient comes from. The row-wise ops' on CUDA from the fast set's reading of the same
+# function (torch's fused element-wise ops and reductions: a few launches where the invariant reading's `tree_sum`
+# halvings take a dozen; deterministic for fixed shapes, as a gradient must be); elsewhere the invariant set's.
+_FAST_GRADIENT_ON_CUDA = ("sigmoid", "rmsnorm", "gated_rmsnorm", "l2norm", "situ_glu", "silu_glu", "kda_gate",
+                          "attn_res_mix")
+_GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients,
+                                      **{f: _by_device(getattr(INVARIANT, f), getattr(FAST, f))
+                                         for f in _FAST_GRADIENT_ON_CUDA})
+_AROUND = {"kda": kda_gradient_context}  # the context an op's backward runs in, where it needs one
+TRITON = Kernels(name="triton", **{f: trainable(op, getattr(_GRADIENTS_FROM, f), _AROUND.get(f))
+                                   for f, op in _TRITON_OPS.items()},
+                 linear=linear_trainable, token_logprobs=INVARIANT.token_logprobs, experts=experts_trainable)
 
 
 _CPU_SIDE = dataclasses.replace(INVARIANT, experts=experts_stacked)  # the grouped op's CPU reading, as TRITON has one

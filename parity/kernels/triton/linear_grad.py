@@ -24,9 +24,10 @@ from parity.kernels.triton.linear import gemm_operand, linear, matmul
 from parity.quant.mxfp4 import MXFP4Weight
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t^T as a row-major matrix (the tensor-descriptor path of `matmul` reads contiguous rows)."""
-    return t.t().contiguous()
+def _rows(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t^T as a row-major matrix in `dtype` (t's own if None), in one copy (the tensor-descriptor path of `matmul`
+    reads contiguous rows)."""
+    return torch.empty(t.shape[1], t.shape[0], dtype=dtype or t.dtype, device=t.device).copy_(t.t())
 
 
 def linear_grads(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, a: torch.Tensor | None, b: torch.Tensor | None,
@@ -37,8 +38,10 @@ def linear_grads(x: torch.Tensor, w: torch.Tensor | MXFP4Weight, a: torch.Tensor
     in `dtype`, dW / dA / dB in their parameter's dtype."""
     f32 = torch.float32
     need_x, need_w, need_a, need_b = needs
-    wd = (w.dequantize(dtype) if isinstance(w, MXFP4Weight) else w.to(dtype)).contiguous()
-    dx = matmul(g, _rows(wd), out_dtype=f32 if a is not None else dtype) if need_x else None
+    dx = None
+    if need_x:
+        wt = _rows(w.dequantize(dtype) if isinstance(w, MXFP4Weight) else w, dtype)
+        dx = matmul(g, wt, out_dtype=f32 if a is not None else dtype)
     dw = matmul(_rows(g), _rows(x), out_dtype=f32).to(w.dtype) if need_w else None
     da = db = None
     if a is not None:
