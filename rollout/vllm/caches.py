@@ -296,7 +296,7 @@ class KDAStateLayer(nn.Module, MambaBase):
 
         def slot(t: torch.Tensor) -> torch.Tensor:
             keep = (~fresh).view(-1, *([1] * (t.dim() - 1))).to(t.device)
-            return torch.where(keep, t[idx], torch.zeros((), dtype=t.dtype, device=t.device))
+            return torch.where(keep, t[idx], 0.0)  # a float cache: the scalar takes its dtype, no zeros made
 
         conv, state = slot(self.kv_cache[0]), slot(self.kv_cache[1])
         if not self.chunked:

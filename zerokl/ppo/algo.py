@@ -32,11 +32,11 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
         valid = mask[:, i].bool()
         is_last = (lens - 1) == i
         next_v = values[:, i + 1] if i + 1 < t else torch.zeros(n, dtype=values.dtype)
-        next_v = torch.where(is_last, torch.zeros_like(next_v), next_v)
-        r = torch.where(is_last, rewards.to(values.dtype), torch.zeros_like(next_v))
+        next_v = torch.where(is_last, 0.0, next_v)
+        r = torch.where(is_last, rewards.to(values.dtype), 0.0)
         delta = r + gamma * next_v - values[:, i]
-        last = torch.where(valid, delta + gamma * lam * torch.where(is_last, torch.zeros_like(last), last), last)
-        adv[:, i] = torch.where(valid, last, torch.zeros_like(last))
+        last = torch.where(valid, delta + gamma * lam * torch.where(is_last, 0.0, last), last)
+        adv[:, i] = torch.where(valid, last, 0.0)
     return adv, (adv + values) * mask
 
 
