@@ -279,8 +279,9 @@ def kda_for_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence a trainer on the Triton kernels differentiates (`parity.kernels.triton.autograd`): a bf16 layer
     on CUDA (`_fla_differentiates`), fla's chunked kernels (`chunk_kda`: its forward and its Triton backward), run
-    inside `kda_gradient_context`; other CUDA inputs the chunked form (`kda_chunked`, batched GEMMs); elsewhere `kda_invariant` and its chunked
-    backward. Each is the gradient of the same function, deterministic for fixed shapes."""
+    inside `kda_gradient_context`; other CUDA inputs the chunked form (`kda_chunked`, batched GEMMs); elsewhere
+    `kda_invariant` and its chunked backward. Each is the gradient of the same function, deterministic for fixed
+    shapes."""
     if _fla_differentiates(q, v):
         return _kda_fla(q, k, v, g, beta, scale, state, valid)
     if q.is_cuda:

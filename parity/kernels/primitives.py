@@ -59,6 +59,7 @@ def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
 
 
 def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`tree_sum`'s halvings: zero padding to a power of two, then halves added pairwise in one fixed order."""
     x = x.movedim(dim, -1)
     n = x.shape[-1]
     width = 1 << max(n - 1, 0).bit_length()

@@ -22,10 +22,9 @@ Gradients: linear's and the grouped experts' in Triton (`linear_grad.py`: dX and
 `moe_grad.py`: grouped GEMMs over the forward's saved products, the routing on the device; both deterministic and
 reading what the forward saved). Every other op (`autograd.py`) runs its Triton forward and takes its backward
 from a torch op re-run on the saved inputs: the CPU invariant set's, on CUDA the fast set's for the row-wise ops
-(`_FAST_GRADIENT_ON_CUDA`: fewer launches, deterministic); KDA's on CUDA from fla's
-chunked kernels for a bf16 layer (TF32 products), each pinned to one launch configuration
-(`parity.kernels.fla_pinned`), and from its chunked form in torch for an fp32 one (`parity.kernels.kda.
-kda_for_gradients`).
+(`_FAST_GRADIENT_ON_CUDA`: fewer launches, deterministic). KDA's on CUDA comes from fla's chunked kernels for a bf16
+layer (TF32 products), each pinned to one launch configuration (`parity.kernels.fla_pinned`), and from its chunked
+form in torch for an fp32 one (`parity.kernels.kda.kda_for_gradients`).
 
 Two differences from the CPU API, both needed by the chunked KDA and the grouped MoE GEMM:
 - `kda` returns a `KDAChunkState` (state at the last chunk boundary plus the pending chunk's inputs)
