@@ -110,6 +110,33 @@ class _Attention(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None
 
 
+class _AttentionUntiled(_Attention):
+    """`_Attention`'s function with its forward untiled too: plain GEMMs over the whole key range (what the backward
+    recomputes anyway) give the output and the log-sum-exp in a few launches, where the tiled loop takes a dozen per
+    key tile. Not batch invariant: for a caller that takes its forward bits elsewhere (`attention_for_gradients`)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                kv_len: torch.Tensor, scale: float) -> torch.Tensor:
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        key_ok = torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1) < kv_len.view(-1, 1, 1, 1)
+        kh, vh = torch.where(key_ok, kh, 0.0), torch.where(key_ok, vh, 0.0)
+        s = torch.where(_visible(q_pos, kv_len, k.shape[1]), torch.matmul(qh, kh.transpose(2, 3)) * scale,
+                        float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [B, H, Tq], as `_tiled` returns it
+        o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vh).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, q_pos, kv_len, o, lse)
+        ctx.scale = scale
+        return o
+
+
+def _widened(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in fp32, a single key / value head expanded to q's heads."""
+    q, k, v = wide(q), wide(k), wide(v)
+    h = q.shape[2]
+    return q, k.expand(*k.shape[:2], h, k.shape[3]), v.expand(*v.shape[:2], h, v.shape[3])
+
+
 def attention_invariant(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -118,12 +145,20 @@ def attention_invariant(
     s < kv_len[b]); kv_len: [B]. Returns o: [B, Tq, H, Dv] in q's dtype. Padded query rows must carry a
     position >= 0."""
     out_dtype = q.dtype
-    q, k, v = wide(q), wide(k), wide(v)
-    h = q.shape[2]
-    k, v = k.expand(*k.shape[:2], h, k.shape[3]), v.expand(*v.shape[:2], h, v.shape[3])
+    q, k, v = _widened(q, k, v)
     if needs_grad(q, k, v):
         return _Attention.apply(q, k, v, q_pos, kv_len, scale).to(out_dtype)
     return _tiled(q, k, v, q_pos, kv_len, scale)[0].to(out_dtype)
+
+
+def attention_for_gradients(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`attention_invariant`'s function and backward, its forward untiled (`_AttentionUntiled`): what the Triton
+    kernel set differentiates (`parity.kernels.triton`: its forward bits are the Triton kernel's). Deterministic for
+    fixed shapes; the output agrees with the invariant forward to fp32 rounding."""
+    out_dtype = q.dtype
+    return _AttentionUntiled.apply(*_widened(q, k, v), q_pos, kv_len, scale).to(out_dtype)
 
 
 

@@ -557,7 +557,7 @@ def test_fast_backwards_match_float64_autograd_and_rerun_bitwise() -> None:
     latent head), the norms and the gated activations: outputs and gradients of the invariant kernels'
     `autograd.Function`s against float64 autograd through plain ops, within 1e-5 of the largest value (2e-2 for
     bf16-rounded outputs); a rerun on another thread count gives the same bits."""
-    from parity.kernels.attention import _visible
+    from parity.kernels.attention import _visible, attention_for_gradients
     from parity.kernels.kda import kda_chunked, CHUNK, _recurrence
 
     g = torch.Generator().manual_seed(4)
@@ -607,9 +607,16 @@ def test_fast_backwards_match_float64_autograd_and_rerun_bitwise() -> None:
             p = torch.softmax(s.masked_fill(~_visible(pos, kv_len, 70), float("-inf")), -1)
             return torch.einsum("bhts,bshd->bthd", p, v)
 
-        _assert_grads_close(_grads(att, att_inputs, torch.float32), _grads(att_ref, att_inputs, torch.float64), 1e-5,
-                            f"attention, {kv_heads} kv heads")
+        att_ref_grads = _grads(att_ref, att_inputs, torch.float64)
+        _assert_grads_close(_grads(att, att_inputs, torch.float32), att_ref_grads, 1e-5, f"attention, {kv_heads} kv heads")
         assert _same_bits_on_another_thread_count(att, att_inputs)
+
+        def att_untiled(q, k, v):  # the Triton set's gradient reading: the same function, its forward untiled
+            return attention_for_gradients(q, k, v, pos, kv_len, 0.2)
+
+        untiled = _grads(att_untiled, att_inputs, torch.float32)
+        _assert_grads_close(untiled, att_ref_grads, 1e-5, f"attention untiled, {kv_heads} kv heads")
+        assert all(torch.equal(a, b) for a, b in zip(untiled, _grads(att_untiled, att_inputs, torch.float32)))
 
     x, gate, w_norm = torch.randn(5, 64, generator=g) * 3, torch.randn(5, 64, generator=g) * 3, torch.rand(64, generator=g)
     rowwise = {  # op: (invariant kernel, float64 formula, inputs)

@@ -22,7 +22,8 @@ Gradients: linear's and the grouped experts' in Triton (`linear_grad.py`: dX and
 `moe_grad.py`: grouped GEMMs over the forward's saved products, the routing on the device; both deterministic and
 reading what the forward saved). Every other op (`autograd.py`) runs its Triton forward and takes its backward
 from a torch op re-run on the saved inputs: the CPU invariant set's, on CUDA the fast set's for the row-wise ops
-(`_FAST_GRADIENT_ON_CUDA`: fewer launches, deterministic). KDA's on CUDA comes from fla's chunked kernels for a bf16
+(`_FAST_GRADIENT_ON_CUDA`: fewer launches, deterministic); attention's from the invariant backward with the forward
+untiled (`parity.kernels.attention.attention_for_gradients`). KDA's on CUDA comes from fla's chunked kernels for a bf16
 layer (TF32 products), each pinned to one launch configuration (`parity.kernels.fla_pinned`), and from its chunked
 form in torch for an fp32 one (`parity.kernels.kda.kda_for_gradients`).
 
@@ -44,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 
+from parity.kernels.attention import attention_for_gradients
 from parity.kernels.kda import kda_for_gradients, kda_gradient_context
 from parity.kernels.moe import experts_stacked
 from parity.kernels.registry import FAST, INVARIANT, Kernels
@@ -86,7 +88,7 @@ def _by_device(cpu: Callable, gpu: Callable) -> Callable:
 # halvings take a dozen; deterministic for fixed shapes, as a gradient must be); elsewhere the invariant set's.
 _FAST_GRADIENT_ON_CUDA = ("sigmoid", "rmsnorm", "gated_rmsnorm", "l2norm", "situ_glu", "silu_glu", "kda_gate",
                           "attn_res_mix")
-_GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients,
+_GRADIENTS_FROM = dataclasses.replace(INVARIANT, kda=kda_for_gradients, attention=attention_for_gradients,
                                       **{f: _by_device(getattr(INVARIANT, f), getattr(FAST, f))
                                          for f in _FAST_GRADIENT_ON_CUDA})
 _AROUND = {"kda": kda_gradient_context}  # the context an op's backward runs in, where it needs one
