@@ -80,6 +80,16 @@ def _visible(q_pos: torch.Tensor, kv_len: torch.Tensor, s_len: int) -> torch.Ten
     return ((key_pos <= q_pos.unsqueeze(-1)) & (key_pos < kv_len.view(-1, 1, 1))).unsqueeze(1)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, ...]:
+    """Head-major q, k, v ([B, H, T, D]; the keys' and values' stale cache rows, past kv_len, zeroed) and the scaled
+    scores over the whole key range, [B, H, Tq, S], unmasked: the plain-GEMM reading both untiled passes share."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    key_ok = torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1) < kv_len.view(-1, 1, 1, 1)
+    kh, vh = torch.where(key_ok, kh, 0.0), torch.where(key_ok, vh, 0.0)
+    return qh, kh, vh, torch.matmul(qh, kh.transpose(2, 3)) * scale
+
+
 class _Attention(torch.autograd.Function):
     """The tiled invariant forward; a recomputing plain-GEMM backward from the saved log-sum-exp."""
 
@@ -95,13 +105,9 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, q_pos, kv_len, o, lse = ctx.saved_tensors
         scale = ctx.scale
-        qh, kh, vh, oh, doh = (t.transpose(1, 2) for t in (q, k, v, o, do))  # [B, H, T, D]
-        visible = _visible(q_pos, kv_len, k.shape[1])
-        key_pos = torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1)
-        key_ok = key_pos < kv_len.view(-1, 1, 1, 1)  # stale cache rows: zeroed
-        kh, vh = torch.where(key_ok, kh, 0.0), torch.where(key_ok, vh, 0.0)
-        s = torch.matmul(qh, kh.transpose(2, 3)) * scale
-        p = torch.where(visible, torch.exp(s - lse.unsqueeze(-1)), 0.0)
+        qh, kh, vh, s = _scores(q, k, v, kv_len, scale)
+        oh, doh = o.transpose(1, 2), do.transpose(1, 2)
+        p = torch.where(_visible(q_pos, kv_len, k.shape[1]), torch.exp(s - lse.unsqueeze(-1)), 0.0)
         dv = torch.matmul(p.transpose(2, 3), doh)
         dp = torch.matmul(doh, vh.transpose(2, 3))
         ds = p * (dp - (doh * oh).sum(-1, keepdim=True)) * scale
@@ -118,11 +124,8 @@ class _AttentionUntiled(_Attention):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                 kv_len: torch.Tensor, scale: float) -> torch.Tensor:
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        key_ok = torch.arange(k.shape[1], device=k.device).view(1, 1, -1, 1) < kv_len.view(-1, 1, 1, 1)
-        kh, vh = torch.where(key_ok, kh, 0.0), torch.where(key_ok, vh, 0.0)
-        s = torch.where(_visible(q_pos, kv_len, k.shape[1]), torch.matmul(qh, kh.transpose(2, 3)) * scale,
-                        float("-inf"))
+        _, _, vh, s = _scores(q, k, v, kv_len, scale)
+        s = torch.where(_visible(q_pos, kv_len, k.shape[1]), s, float("-inf"))
         lse = torch.logsumexp(s, dim=-1)  # [B, H, Tq], as `_tiled` returns it
         o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), vh).transpose(1, 2)
         ctx.save_for_backward(q, k, v, q_pos, kv_len, o, lse)
