@@ -8,8 +8,9 @@ prompts of different lengths, then batched decode, seeded Gumbel-max sampling at
 through the torch invariant kernels' `autograd.Function`s (`parity.kernels.triton.autograd`).
 
 Per step: generate -> the trainer's log-probs of every sampled token must equal generation's bit for bit (KL = 0; the
-run stops otherwise) -> a group-baseline policy-gradient step -> sync (`parity.weights.serving_weights`: MXFP4 experts
-packed, bf16 elsewhere) into the generator. A second trainer resumes from the step-`--resume-at` state (weights,
+run stops otherwise) -> a group-baseline policy-gradient step -> sync into the generator (`zerokl ppo`'s in-process
+path: `parity.sync.serving.ServingBuffer` writes the serving form, MXFP4 experts packed and bf16 elsewhere, into one
+flat buffer; a `TensorStore` copies, verifies and swaps it in). A second trainer resumes from the step-`--resume-at` state (weights,
 optimizer, sampling seeds) and must end with the same weights and metrics bit for bit.
 
     python bench/ppo_gpu.py --config configs/k3-1b.yaml --steps 20 --resume-at 10 --json OUT.json
@@ -36,7 +37,9 @@ from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
 from parity.kernels import get_kernels  # noqa: E402
 from parity.caches import MLACache, new_cache  # noqa: E402
 from parity.model import K3Forward, K3Weights  # noqa: E402
-from parity.weights import serving_weights  # noqa: E402
+from parity.sync.bundle import TensorStore  # noqa: E402
+from parity.sync.serving import ServingBuffer  # noqa: E402
+from parity.sync.transports import Memory, WeightSync  # noqa: E402
 from rollout.generate.decode_graph import GraphedDecode  # noqa: E402
 from rollout.generate.paged_pool import PagedLatentPool  # noqa: E402
 from trainer.logprobs import PaddedBatch, token_logprobs  # noqa: E402
@@ -137,11 +140,16 @@ def run(backend: MegatronBackend, cfg: ModelConfig, first: int, last: int, args:
         save_at: int | None = None, state_dir: Path | None = None) -> Run:
     kernels = get_kernels(args.kernels)
     metrics = []
+    serving = ServingBuffer(cfg.text)
+    store: TensorStore | None = None
     for step in range(first, last):
         with torch.device("cuda"):
             t0 = time.perf_counter()
-            fwd = K3Forward(K3Weights.from_official(cfg.text, serving_weights(cfg.text, backend.export_official())),
-                            kernels)
+            bundle = serving.bundle(step + 1, backend.export_official())
+            if store is None:
+                store = TensorStore({n: torch.empty_like(t) for n, t in bundle.tensors.items()}, version=step)
+            WeightSync(Memory(), store)(bundle)
+            fwd = K3Forward(K3Weights.from_official(cfg.text, store.tensors), kernels)
             torch.cuda.synchronize()
             t_sync = time.perf_counter() - t0
             t0 = time.perf_counter()

@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from parity.sync.flat import Flat
 
 
 class SyncError(RuntimeError):
@@ -69,15 +72,19 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _digest(t: torch.Tensor, data: torch.Tensor, total: int) -> str:
-    """The checksum string from the whole words' mix sum `total`: the zero-padded last word added, then the sum with
-    the dtype, shape and byte count hashed."""
+    """The checksum string from the whole words' mix sum `total`: the zero-padded last word added, then `digest`."""
     whole = data.numel() // 8
     if data.numel() % 8:
         tail = torch.cat([data[8 * whole :], data.new_zeros(8 - data.numel() % 8)]).view(torch.int64)
         total += _mix_sum(tail, whole)
-    total &= 2**64 - 1
+    return digest(t.dtype, tuple(t.shape), t.numel() * t.element_size(), total)
+
+
+def digest(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, total: int) -> str:
+    """The checksum string of a tensor whose words (the last zero-padded) mix to `total`: the sum mod 2^64 with the
+    dtype, shape and byte count hashed."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{t.dtype}:{tuple(t.shape)}:{t.numel() * t.element_size()}:{total:016x}".encode())
+    h.update(f"{dtype}:{tuple(shape)}:{nbytes}:{total & (2**64 - 1):016x}".encode())
     return h.hexdigest()
 
 
@@ -92,12 +99,14 @@ def weights_checksum(checksums: Mapping[str, str]) -> str:
 
 @dataclass(frozen=True)
 class WeightBundle:
-    """`kind` is "full" (every model tensor) or "adapter" (LoRA tensors only)."""
+    """`kind` is "full" (every model tensor) or "adapter" (LoRA tensors only). `flat`: the tensors' one buffer when
+    they are views of it (`make_flat`), which a receiver of the same layout copies and verifies whole."""
 
     version: int
     kind: str
     tensors: Mapping[str, torch.Tensor]
     checksums: Mapping[str, str]
+    flat: Flat | None = None
 
     @classmethod
     def make(cls, version: int, tensors: Mapping[str, torch.Tensor], kind: str = "full") -> WeightBundle:
@@ -106,7 +115,19 @@ class WeightBundle:
         held = {n: t.detach().contiguous() for n, t in tensors.items()}
         return cls(version, kind, held, checksums(held))
 
+    @classmethod
+    def make_flat(cls, version: int, buffer: torch.Tensor, layout: Any, kind: str = "full") -> WeightBundle:
+        """The bundle of the tensors `layout` (a `parity.sync.flat.FlatLayout`) places in `buffer`, checksummed in one
+        pass over the buffer (on CUDA one launch; the strings only when read). The sender leaves the buffer unchanged
+        until the sync returns."""
+        from parity.sync.flat import Flat, FlatChecksums
+
+        flat = Flat(buffer, layout, layout.word_sums(buffer))
+        return cls(version, kind, layout.views(buffer), FlatChecksums(flat), flat)
+
     def nbytes(self) -> int:
+        if self.flat is not None:
+            return self.flat.layout.tensor_bytes()
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
@@ -164,12 +185,16 @@ class Receiver(Protocol):
 
 class TensorStore:
     """A receiver holding tensors in memory: `apply` verifies, then swaps the whole dict at once (copies: the
-    store owns its tensors)."""
+    store owns its tensors). A flat bundle whose layout holds the store's tensors is copied whole into a spare
+    buffer, verified there by its word sums and swapped in; the buffer it replaces is the next flat update's spare
+    (so a dict of `tensors` read before two flat updates sees the second)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], version: int = 0, kind: str = "full"):
         self.tensors = dict(tensors)
         self.version = version
         self.kind = kind
+        self._layout: Any = None  # the flat layout `expected()` was last found to match
+        self._buffers: list[torch.Tensor] = []  # [live, spare] of flat updates
 
     def expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {n: (tuple(t.shape), t.dtype) for n, t in self.tensors.items()}
@@ -177,8 +202,37 @@ class TensorStore:
     def apply(self, bundle: WeightBundle) -> None:
         if bundle.kind != self.kind:
             raise SyncError(f"update kind {bundle.kind!r} does not match the receiver's {self.kind!r}")
+        if bundle.flat is not None and self._holds(bundle.flat.layout):
+            self._apply_flat(bundle)
+            return
         verify(bundle, self.expected(), self.version)
         self.tensors = {n: t.clone() for n, t in bundle.tensors.items()}
+        self.version = bundle.version
+
+    def _holds(self, layout: Any) -> bool:
+        """Whether `layout` has exactly the store's names, shapes and dtypes (checked once per layout)."""
+        if self._layout is not None and self._layout.matches(layout):
+            return True
+        if layout.expected() != self.expected():
+            return False
+        self._layout, self._buffers = layout, []
+        return True
+
+    def _apply_flat(self, bundle: WeightBundle) -> None:
+        from parity.sync.flat import check_copy
+
+        if bundle.version <= self.version:
+            raise SyncError(f"stale update: version {bundle.version} is not newer than the engine's {self.version}")
+        flat = bundle.flat
+        assert flat is not None
+        device = next(iter(self.tensors.values())).device if self.tensors else flat.buffer.device
+        if len(self._buffers) < 2:
+            self._buffers.append(flat.layout.empty(device))
+        spare = self._buffers[-1]
+        spare.copy_(flat.buffer)
+        check_copy(flat, spare)
+        self._buffers.reverse()  # the spare is live; the old live buffer (if any) is the next spare
+        self.tensors = self._layout.views(spare)
         self.version = bundle.version
 
     def receive(self, transport: Transport, message: Message) -> None:

@@ -7,10 +7,11 @@ bundle` on the receiving side (the same class, or `by_name(transport.name)` in a
 - `SharedMemory`: the tensors' bytes back to back in one POSIX shared-memory segment (`/dev/shm`) per version, the
   message lays them out, for a receiver in another process of this host (vLLM's workers): one copy in, one out, no
   disk. `release` unlinks the segment.
-- `CudaIpc`: CUDA tensors packed into one device buffer per version, the message its CUDA IPC handle and the layout,
-  for a receiver in another process on the same GPU (vLLM's worker colocated with the trainer): one copy on the
-  device in, the receiver's views of the mapped buffer out (copied into its parameters device to device); nothing
-  crosses to the host. `release` drops the sender's buffer (torch keeps it until the receiver's views are gone).
+- `CudaIpc`: CUDA tensors packed into one device buffer per version (a flat bundle's own buffer as it is), the
+  message its CUDA IPC handle and the layout, for a receiver in another process on the same GPU (vLLM's worker
+  colocated with the trainer): one copy on the device in, the receiver's views of the mapped buffer out (copied into
+  its parameters device to device); nothing crosses to the host. `release` drops the sender's buffer (torch keeps
+  it until the receiver's views are gone).
 - `Disk`: safetensors + a JSON manifest (version, kind, checksums) written once to `ROOT/v{version}` through a
   temporary directory and an atomic rename; the message names the directory. `Disk()` (no root) only receives.
 - `TorchDistributed`: broadcasts the manifest, then the tensors in name order packed into byte buckets, from a source
@@ -49,7 +50,8 @@ SHM_ROOT = Path("/dev/shm")
 
 @dataclass
 class Memory:
-    """The bundle travels as the message: tensors by reference, checksums as computed by `WeightBundle.make`."""
+    """The bundle travels as the message: tensors (or a flat bundle's buffer) by reference, checksums as computed by
+    `WeightBundle.make`."""
 
     name: str = "memory"
 
@@ -57,15 +59,13 @@ class Memory:
         pass
 
     def send(self, bundle: WeightBundle) -> Message:
-        return {"version": bundle.version, "kind": bundle.kind, "tensors": dict(bundle.tensors),
-                "checksums": dict(bundle.checksums)}
+        return {"version": bundle.version, "kind": bundle.kind, "bundle": bundle}
 
     def receive(self, message: Message) -> WeightBundle:
-        try:
-            return WeightBundle(int(message["version"]), str(message["kind"]), dict(message["tensors"]),
-                                dict(message["checksums"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise SyncError(f"malformed in-memory weight update: {e}") from None
+        bundle = message.get("bundle") if isinstance(message, dict) else None
+        if not isinstance(bundle, WeightBundle):
+            raise SyncError("malformed in-memory weight update: no bundle")
+        return bundle
 
 
 @dataclass
@@ -116,8 +116,12 @@ class CudaIpc:
     held: dict[str, torch.Tensor] = field(default_factory=dict)  # the buffers sent and not yet released, by message id
 
     def send(self, bundle: WeightBundle) -> Message:
-        from torch.multiprocessing.reductions import reduce_tensor
-
+        """A flat bundle's own buffer is shared as it is (no packing copy; the sender keeps it unchanged until the
+        sync returns)."""
+        if bundle.flat is not None and bundle.flat.buffer.is_cuda:  # already one buffer: shared as it is
+            return self._share(bundle, bundle.flat.buffer, list(zip(
+                bundle.flat.layout.names, (str(d).removeprefix("torch.") for d in bundle.flat.layout.dtypes),
+                bundle.flat.layout.shapes, bundle.flat.layout.offsets)))
         items = sorted(bundle.tensors.items())
         devices = {t.device for _, t in items if t.device.type == "cuda"}
         if len(devices) != 1:
@@ -129,6 +133,12 @@ class CudaIpc:
             offset = -(-(offset + _nbytes(t)) // ALIGN) * ALIGN
         buffer = _pack([t for _, t in items], [start for *_, start in layout], max(offset, ALIGN),
                        next(iter(devices)))
+        return self._share(bundle, buffer, layout)
+
+    def _share(self, bundle: WeightBundle, buffer: torch.Tensor, layout: list) -> Message:
+        """The message sharing `buffer` (held until `release`) laid out by `layout` (name, dtype, shape, offset)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
         key = uuid.uuid4().hex
         self.held[key] = buffer
         return {"version": bundle.version, "kind": bundle.kind, "id": key, "handle": reduce_tensor(buffer),
@@ -167,7 +177,9 @@ class Disk:
         if final.exists():
             raise SyncError(f"{final} already exists: versions must increase")
         with atomic_dir(final) as tmp:
-            save_file(dict(bundle.tensors), str(tmp / TENSORS))
+            # safetensors refuses tensors sharing memory (a flat bundle's views): those are written from copies
+            save_file({n: t.clone() if bundle.flat is not None else t for n, t in bundle.tensors.items()},
+                      str(tmp / TENSORS))
             (tmp / MANIFEST).write_text(json.dumps({"version": bundle.version, "kind": bundle.kind,
                                                     "checksums": dict(bundle.checksums)}))
         for old in sorted(Path(self.root).glob("v????????"))[: -self.keep]:

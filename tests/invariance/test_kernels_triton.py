@@ -331,6 +331,132 @@ def test_checksum_batches_equal_one_tensor_at_a_time(p: Platform, monkeypatch: p
     assert bundle.checksums({n: p.t(t) for n, t in tensors.items()}) == {n: bundle.checksum(t) for n, t in tensors.items()}
 
 
+def test_flat_segment_sums_are_each_tensors_checksum(p: Platform) -> None:
+    """A flat buffer's segment sums (one launch over every tensor, padding to the next word included) give the
+    checksums of its tensors: odd byte counts, an empty tensor, several blocks."""
+    from parity.kernels.triton.checksum import BLOCK, segment_sums, segment_table
+    from parity.sync import bundle
+    from parity.sync.flat import FlatLayout
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(37, 11, generator=g).bfloat16(), "b": torch.zeros(0),
+               "c": torch.randint(0, 255, (8 * BLOCK + 13,), dtype=torch.uint8, generator=g),
+               "d": torch.randn(3, BLOCK + 1, generator=g)}
+    layout = FlatLayout.of((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
+    buffer = layout.empty("cpu")
+    for name, view in layout.views(buffer).items():
+        view.copy_(tensors[name])
+    counts = [-(-layout.nbytes(i) // 8) for i in range(len(tensors))]
+    plan = segment_table(counts, [o // 8 for o in layout.offsets], torch.device(p.dev))
+    sums = segment_sums(p.t(buffer).view(torch.int64), plan, bundle._C1, bundle._C2, bundle._C3, bundle._C4)
+    assert layout.digests(sums) == bundle.checksums(tensors)
+    assert torch.equal(layout.word_sums(p.t(buffer)).cpu(), sums.cpu())
+
+
+def _rounding_cases(g: torch.Generator) -> torch.Tensor:
+    """fp32 values bf16 rounds in every way: halfway ties (even and odd kept bit), just off them, subnormals, the
+    largest finite values (rounding to inf), inf, signed zeros."""
+    kept = torch.randint(0, 1 << 16, (512,), generator=g, dtype=torch.int64) << 16
+    low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x0001, 0xFFFF], dtype=torch.int64)
+    bits = (kept[:, None] | low[None, :]).flatten()
+    special = torch.tensor([0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x0, 0x80000000, 0x00000001, 0x807FFFFF,
+                            0x7F7F8000, 0x3F808000, 0x3F818000], dtype=torch.int64)
+    bits = torch.cat([bits, special])
+    bits = torch.where(((bits >> 23) & 0xFF) == 0xFF, bits & ~0x7FFFFF, bits)  # no NaN: CPU and CUDA spell it apart
+    return (bits - ((bits & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
+
+
+def test_serving_cast_rounds_as_torch(p: Platform) -> None:
+    """fp32 -> bf16 into a flat buffer at any offset gives torch's round to nearest even, ties and overflow
+    included (several sources of many blocks in one launch); same-dtype sources are copied."""
+    from parity.kernels.triton.serving import CAST_BLOCK, cast_into
+
+    g = torch.Generator().manual_seed(6)
+    sources = [_rounding_cases(g), torch.randn(CAST_BLOCK + 3, generator=g) * 1e3, torch.zeros(0),
+               torch.randn(7, 5, generator=g)]
+    offsets = [16, 16 + 2 * 8192, 16 + 2 * 8192 + 2 * (CAST_BLOCK + 3), 64 + 2 * 8192 + 2 * (CAST_BLOCK + 3)]
+    out = torch.zeros(offsets[-1] + 2 * 35 + 6, dtype=torch.uint8)
+    dev_out = p.t(out)
+    cast_into(dev_out, [p.t(s) for s in sources], offsets, torch.bfloat16)
+    for s, o in zip(sources, offsets):
+        got = dev_out[o : o + 2 * s.numel()].view(torch.bfloat16).cpu()
+        assert torch.equal(got.view(torch.int16), p.t(s).flatten().bfloat16().cpu().view(torch.int16))
+    assert not dev_out[:16].any() and not dev_out[-6:].any()  # nothing written outside the tensors
+    same = [torch.randn(9, generator=g), torch.randn(CAST_BLOCK + 1, generator=g)]
+    out32 = p.t(torch.zeros(4 * (9 + 3 + CAST_BLOCK + 1), dtype=torch.uint8))
+    cast_into(out32, [p.t(s) for s in same], [0, 48], torch.float32)
+    assert torch.equal(out32[:36].view(torch.float32).cpu(), same[0])
+    assert torch.equal(out32[48 : 48 + 4 * (CAST_BLOCK + 1)].view(torch.float32).cpu(), same[1])
+
+
+def _mxfp4_cases(g: torch.Generator, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weights whose groups hit the quantiser's edges: ties on every E2M1 bound at several scales, signed zeros,
+    all-zero and tiny groups, groups spanning the exponent range."""
+    from parity.quant.mxfp4 import GROUP
+
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-20, 20, (n, k // GROUP, 1), generator=g)
+                                                     .float()).repeat_interleave(GROUP, -1).view(n, k)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 4.0, -0.25, -0.75, -5.0, 0.0, -0.0, 3.0, 1.0])
+    w[0, :32] = torch.cat([ties, ties * 0.5]) * 4.0
+    w[1 % n, :32] = 0.0
+    w[1 % n, 32 % k : 32 % k + 32] = -0.0
+    w[n - 1, -32:] = torch.randn(32, generator=g) * 1e-40
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_serving_mxfp4_equals_quantize(p: Platform, dtype: torch.dtype) -> None:
+    """MXFP4 packing of several weights in one launch gives `quantize`'s codes and scale bytes, at their offsets of
+    one buffer; a weight `quantize` refuses (NaN, inf, a scale above the largest) is flagged, the others are not."""
+    from parity.kernels.triton.serving import GROUPS_BLOCK, mxfp4_into
+    from parity.quant import mxfp4
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(3, 64), (GROUPS_BLOCK + 1, 32), (5, 96)]
+    weights = [_mxfp4_cases(g, n, k, dtype) for n, k in shapes]
+    weights += [weights[0].clone(), weights[2].clone(), weights[0].clone()]
+    weights[3][2, 7] = float("nan")
+    weights[4][4, 95] = float("-inf")
+    weights[5][1, 40] = 3e38 if dtype == torch.float32 else 3.3e38
+    packed, scales, at = [], [], 32
+    for w in weights:
+        packed.append(at)
+        at += w.numel() // 2
+        scales.append(at)
+        at += w.numel() // 32 + 5
+    out = p.t(torch.zeros(at + 32, dtype=torch.uint8))
+    bad = mxfp4_into(out, [p.t(w) for w in weights], packed, scales).cpu()
+    assert bad.tolist() == [0, 0, 0, 1, 1, 1]
+    for w, o, s in list(zip(weights, packed, scales))[:3]:
+        q = mxfp4.quantize(p.t(w))
+        assert torch.equal(out[o : o + w.numel() // 2].cpu(), q.packed.flatten().cpu())
+        assert torch.equal(out[s : s + w.numel() // 32].cpu(), q.scale.flatten().cpu())
+    assert not out[:32].any() and not out[-32:].any()
+
+
+def test_gpu_serving_buffer_is_serving_weights(gpu: Platform) -> None:
+    """On CUDA the flat bundle of k3-tiny-mxfp4's masters (fp32, with a bf16 extra) holds `serving_weights`' bytes
+    and checksums, and a store of the same layout takes it whole."""
+    from parity.config import load_model_config
+    from parity.io.checkpoint import random_weights
+    from parity.sync.bundle import TensorStore, checksums
+    from parity.sync.serving import ServingBuffer
+    from parity.sync.transports import Memory, WeightSync
+    from parity.weights import master_weights, serving_weights
+
+    cfg = load_model_config(Path(__file__).resolve().parents[2] / "configs" / "k3-tiny-mxfp4.yaml")
+    masters = {n: gpu.t(t) for n, t in master_weights(cfg.text, random_weights(cfg, seed=0)).items()}
+    extra = {"vision.w": gpu.t(torch.randn(3, 5).bfloat16())}
+    want = {**serving_weights(cfg.text, masters), **extra}
+    bundle = ServingBuffer(cfg.text).bundle(1, masters, extra)
+    assert list(bundle.tensors) == list(want)
+    assert all(torch.equal(bundle.tensors[n].view(torch.uint8), t.view(torch.uint8)) for n, t in want.items())
+    assert dict(bundle.checksums) == checksums(want)
+    store = TensorStore({n: torch.zeros_like(t) for n, t in want.items()})
+    WeightSync(Memory(), store)(bundle)
+    assert store.version == 1 and all(torch.equal(store.tensors[n], t) for n, t in want.items())
+
+
 # --- short conv -----------------------------------------------------------------------------------
 
 @SETTINGS

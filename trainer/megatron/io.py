@@ -201,6 +201,8 @@ def load_official_dir(model: MegatronK3Model, path: str | Path) -> list[str]:
 def _gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, onto_rank0: bool) -> torch.Tensor | None:
     """The group's parts of a tensor concatenated along `dim` in group-rank order: on every member, or with
     `onto_rank0` (a group holding global rank 0) on rank 0 alone (None on the others)."""
+    if group.size() == 1:  # its only member holds it whole (with `onto_rank0`: rank 0 itself)
+        return t
     parts = [torch.empty_like(t) for _ in range(group.size())]
     if not onto_rank0:
         dist.all_gather(parts, t.contiguous(), group=group)
@@ -238,9 +240,10 @@ def export_official(model: MegatronK3Model, compute_dtype: bool = False,
             if name in done or (onto_rank0 and not _holds_rank0(ep_group)):
                 continue
             template = _EXPERT_INDEX.sub(".experts.{}.", name)
-            mine = torch.stack([params[template.format(e)] for e in owned])  # [experts here, ...]
-            gathered = _gather(mine, 0, ep_group, onto_rank0)  # EP ranks own consecutive ranges, in rank order
-            done.update(template.format(e) for e in range(mine.shape[0] * ep_group.size()))
+            mine = [params[template.format(e)] for e in owned]
+            # EP ranks own consecutive ranges, in rank order; one EP rank holds them all (no copy)
+            gathered = mine if ep_group.size() == 1 else _gather(torch.stack(mine), 0, ep_group, onto_rank0)
+            done.update(template.format(e) for e in range(len(mine) * ep_group.size()))
             for e, t in enumerate([] if gathered is None else gathered):
                 full[template.format(e)] = t
         elif split.tp_dim is not None:

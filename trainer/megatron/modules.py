@@ -296,18 +296,28 @@ class MegatronK3Model(MegatronModule):
         self.value_head: Weight | None = None
         self.vision: nn.Module | None = None
         self.vision_shape: TowerShape | None = None
+        self._named: tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]] | None = None
 
     def official_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters under their official text tensor names (local shards, local experts); no LoRA, no
         value head, no vision tower."""
-        return {f"{self.root}{name}": p for name, p in self.named_parameters()
-                if not _is_lora(name) and not name.startswith((VALUE_HEAD_PREFIX, VISION_PREFIX))}
+        return dict(self._by_name()[0])
 
     def vision_parameters(self) -> dict[str, nn.Parameter]:
         """The trained vision tower's parameters under their official names (whole on every rank); {} when it is
         frozen (`add_vision_tower` not called)."""
-        return {name.removeprefix(VISION_PREFIX): p for name, p in self.named_parameters()
-                if name.startswith(VISION_PREFIX)}
+        return dict(self._by_name()[1])
+
+    def _by_name(self) -> tuple[dict[str, nn.Parameter], dict[str, nn.Parameter]]:
+        """(official text, vision) parameters by name, found by one walk of the module tree and kept: the tree is fixed
+        once built (`add_vision_tower` and `add_value_head` walk it again) and parameters are updated in place, never
+        replaced (a weight sync exports thousands of them each step)."""
+        if self._named is None:
+            named = list(self.named_parameters())
+            self._named = ({f"{self.root}{name}": p for name, p in named
+                            if not _is_lora(name) and not name.startswith((VALUE_HEAD_PREFIX, VISION_PREFIX))},
+                           {name.removeprefix(VISION_PREFIX): p for name, p in named if name.startswith(VISION_PREFIX)})
+        return self._named
 
     def add_vision_tower(self, max_grid_side: int) -> None:
         """Train the checkpoint's vision tower: its tensors become fp32 master parameters (uninitialised: fill them
@@ -325,6 +335,7 @@ class MegatronK3Model(MegatronModule):
             self.vision = parameter_tree({n: (spec.shape, self.config.params_dtype) for n, spec in specs.items()},
                                          requires_grad=True)
         self.vision_shape = TowerShape.from_config(k3.vision, max_grid_side)
+        self._named = None
 
     def vision_tower(self) -> VisionTower:
         """The tower over the live vision parameters, cast to the compute dtype (as the engine holds them)."""
@@ -345,6 +356,7 @@ class MegatronK3Model(MegatronModule):
         h = self.config.k3.text.hidden_size
         self.value_head = Weight(nn.Parameter(torch.zeros(1, h + 1, dtype=torch.float32,
                                                           device=self.model.embed_tokens.weight.device)))
+        self._named = None
 
     def lora_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's LoRA parameters under their official-style names

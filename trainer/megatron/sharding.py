@@ -12,6 +12,7 @@ MLP (dense, or shared experts). Its input's gradient is summed over TP at the re
 
 from __future__ import annotations
 
+import functools
 import re
 from enum import Enum
 
@@ -136,6 +137,11 @@ def expert_of(name: str) -> int | None:
 
 def split_roles(cfg: TextConfig) -> dict[str, Split]:
     """Every text tensor of `cfg` with its `Split` (fails on a name the table cannot place)."""
+    return dict(_split_roles(cfg))
+
+
+@functools.cache
+def _split_roles(cfg: TextConfig) -> dict[str, Split]:
     return {name: split_of(name) for name in text_specs(cfg)}
 
 

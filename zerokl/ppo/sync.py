@@ -26,6 +26,7 @@ from parity.config import ConfigError
 from parity.io.vision import vision_specs
 from parity.quant.mxfp4 import QuantError
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
+from parity.sync.serving import ServingBuffer
 from parity.sync.transports import CudaIpc, Disk, SharedMemory, SyncResult, WeightSync
 from parity.weights import serving_weights
 from zerokl.ppo.config import PPOConfig
@@ -72,6 +73,7 @@ class Sync:
         self.last: SyncResult | None = None
         self.full: SyncResult | None = None
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        self._serving: ServingBuffer | None = None
 
     def __call__(self, bundle: WeightBundle) -> None:
         self.last = self.send(bundle)
@@ -82,17 +84,30 @@ class Sync:
         exported = self.backend.export_official()
         if not exported:
             return {}
+        return {**serving_weights(self.backend.model_cfg.text, exported), **self._vision(exported)}
+
+    def base_bundle(self, version: int) -> WeightBundle:
+        """`export_base` as the bundle a sync sends: the same bytes written into one reused flat buffer
+        (`parity.sync.serving.ServingBuffer`; the next call overwrites it). Collective; empty off rank 0."""
+        exported = self.backend.export_official()
+        if not exported:
+            return WeightBundle.make(version, {})
+        if self._serving is None:
+            self._serving = ServingBuffer(self.backend.model_cfg.text)
+        return self._serving.bundle(version, exported, self._vision(exported))
+
+    def _vision(self, exported: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A trained vision tower's tensors in the compute dtype ({} when it stays frozen)."""
+        if self.cfg.vision_tower != "trainable":
+            return {}
         text = self.backend.model_cfg.text
-        weights = serving_weights(text, exported)
-        if self.cfg.vision_tower == "trainable":
-            vision = vision_specs(self.backend.model_cfg.vision, text.hidden_size)
-            weights.update({n: exported[n].detach().to(text.compute_dtype) for n in vision})
-        return weights
+        return {n: exported[n].detach().to(text.compute_dtype)
+                for n in vision_specs(self.backend.model_cfg.vision, text.hidden_size)}
 
     def _export(self, version: int) -> WeightBundle:
         """What a sync sends: the full text weights, or with LoRA only the adapter's PEFT tensors."""
         if not self.cfg.lora:
-            return WeightBundle.make(version, self.export_base())
+            return self.base_bundle(version)
         return WeightBundle.make(version, self.backend.export_weights(), kind="adapter")
 
     def push(self, version: int, before: Callable[[], None] = lambda: None) -> None:
@@ -125,7 +140,7 @@ class Sync:
         checksum); servers behind it (started on the checkpoint for a resumed run, or restarted) get them by a sync
         (a LoRA run's `full`). Collective: every rank exports, rank 0 checks and syncs, and tells the others the
         outcome."""
-        bundle = WeightBundle.make(version, self.export_base())
+        bundle = self.base_bundle(version)
         error = None
         if self.send is not None:
             held, expected = self.engine.version, weights_checksum(bundle.checksums)
@@ -159,11 +174,11 @@ class Sync:
         from lora.adapter import save_adapter
 
         remote = bool(self.cfg.rollout_servers)
-        base = {} if remote else self.export_base()
+        base = None if remote else self.base_bundle(version)
         if self.send is None:
             return
-        if not remote:
-            self(WeightBundle.make(version, base))
+        if base is not None:
+            self(base)
             self.full = self.last
         directory = self.out / "adapter-start"
         shutil.rmtree(directory, ignore_errors=True)
@@ -174,6 +189,6 @@ class Sync:
 
     def reinstall(self, version: int) -> None:
         """A resumed full-weight run: the trainer's weights into the engine as `version` (collective)."""
-        weights = self.export_base()
+        bundle = self.base_bundle(version)
         if self.send is not None:
-            self(WeightBundle.make(version, weights))
+            self(bundle)

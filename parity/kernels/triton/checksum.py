@@ -10,6 +10,8 @@ and one read-back per batch, not per tensor (a weight sync has thousands of tens
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -59,22 +61,39 @@ def word_mix_sums(words: list[torch.Tensor], c1: int, c2: int, c3: int, c4: int)
     return out
 
 
-def _batch_sums(words: list[torch.Tensor], consts: list[int]) -> list[int]:
-    """One batch of `word_mix_sums`."""
-    device = words[0].device
-    counts = torch.tensor([w.numel() for w in words], dtype=torch.int64)
-    if not int(counts.sum()):
-        return [0] * len(words)
-    blocks = (counts + BLOCK - 1) // BLOCK  # programs per tensor (none for an empty one)
-    owner = torch.repeat_interleave(torch.arange(len(words)), blocks)
+def segment_table(counts: list[int], starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The programs of segments (`counts[i]` words from word `starts[i]` of one buffer): (table [3, programs] of each
+    program's start word, first index within its segment and word count; blocks per segment), on `device`."""
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    blocks = (counts_t + BLOCK - 1) // BLOCK  # programs per segment (none for an empty one)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), blocks)
     first = (torch.arange(int(blocks.sum())) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)) * BLOCK
-    start = torch.repeat_interleave(counts.cumsum(0) - counts, blocks) + first
-    table = torch.stack([start, first, torch.clamp(counts[owner] - first, max=BLOCK)]).to(device)
-    buffer = words[0] if len(words) == 1 else torch.cat(words)  # one tensor: read in place
-    partial = torch.empty(table.shape[1], dtype=torch.int64, device=device)
-    _segment_mix_sum_kernel[(table.shape[1],)](buffer, table[0], table[1], table[2], partial, *consts, BLOCK=BLOCK)
-    # a tensor's programs are consecutive: its sum is a difference of the running sum (integer: exact, mod 2^64)
+    start = torch.tensor(starts, dtype=torch.int64)[owner] + first
+    table = torch.stack([start, first, torch.clamp(counts_t[owner] - first, max=BLOCK)])
+    return table.to(device), blocks.to(device)
+
+
+def segment_sums(words: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor], c1: int, c2: int, c3: int,
+                 c4: int) -> torch.Tensor:
+    """Each segment's word-mix sum (int64 on the device, mod 2^64) of the 1-D int64 buffer `words` with the
+    `segment_table` `plan`: one launch, nothing read back."""
+    table, blocks = plan
+    sums = torch.zeros(blocks.numel(), dtype=torch.int64, device=words.device)
+    if not table.shape[1]:
+        return sums
+    consts = [torch.tensor(c, dtype=torch.int64).item() for c in (c1, c2, c3, c4)]
+    partial = torch.empty(table.shape[1], dtype=torch.int64, device=words.device)
+    _segment_mix_sum_kernel[(table.shape[1],)](words, table[0], table[1], table[2], partial, *consts, BLOCK=BLOCK)
+    # a segment's programs are consecutive: its sum is a difference of the running sum (integer: exact, mod 2^64)
     running = torch.cat([partial.new_zeros(1), partial.cumsum(0)])
-    ends = blocks.cumsum(0).to(device)
-    totals = running[ends] - running[ends - blocks.to(device)]
+    ends = blocks.cumsum(0)
+    return running[ends] - running[ends - blocks]
+
+
+def _batch_sums(words: list[torch.Tensor], consts: list[int]) -> list[int]:
+    """One batch of `word_mix_sums`: the tensors back to back in one buffer (one tensor: read in place)."""
+    counts = [w.numel() for w in words]
+    starts = [0, *itertools.accumulate(counts)][:-1]
+    buffer = words[0] if len(words) == 1 else torch.cat(words)
+    totals = segment_sums(buffer, segment_table(counts, starts, buffer.device), *consts)
     return [t & (2**64 - 1) for t in totals.tolist()]
