@@ -86,16 +86,20 @@ class FlatLayout:
         """Each tensor's word-mix total (int64, mod 2^64), on the buffer's device: on CUDA one launch
         (`parity.kernels.triton.checksum.segment_sums`), nothing read back to the host."""
         words = buffer.view(torch.int64)
-        first = [o // 8 for o in self.offsets]
-        count = [-(-self.nbytes(i) // 8) for i in range(len(self.names))]
         if not buffer.is_cuda:
-            return torch.tensor([_mix_sum(words[f : f + c], 0) for f, c in zip(first, count)], dtype=torch.int64)
+            first = [o // 8 for o in self.offsets]
+            return torch.tensor([_mix_sum(words[f : f + c], 0) for f, c in zip(first, self._words())],
+                                dtype=torch.int64)
         from parity.kernels.triton.checksum import segment_sums, segment_table
 
         key = ("table", buffer.device)
         if key not in self._cache:
-            self._cache[key] = segment_table(count, first, buffer.device)
+            self._cache[key] = segment_table(self._words(), [o // 8 for o in self.offsets], buffer.device)
         return segment_sums(words, self._cache[key], _C1, _C2, _C3, _C4)
+
+    def _words(self) -> list[int]:
+        """Each tensor's 64-bit words, the last zero-padded."""
+        return [-(-self.nbytes(i) // 8) for i in range(len(self.names))]
 
     def digests(self, sums: torch.Tensor) -> dict[str, str]:
         """`parity.sync.bundle.checksums`' strings from `word_sums` (one read back)."""

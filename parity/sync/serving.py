@@ -43,13 +43,16 @@ class ServingBuffer:
                 self._plain.append((name, spec.shape, serving_dtype(c, spec)))
                 stored.append(self._plain[-1])
         self._stored = stored
+        self._packed = [packed_names(n) for n, _ in self._quantized]
         self._layout: FlatLayout | None = None
+        self._offset: dict[str, int] = {}  # the layout's byte offsets by name
         self._buffer: torch.Tensor | None = None
 
     def _layout_for(self, extra: Mapping[str, torch.Tensor], device: torch.device) -> FlatLayout:
         specs = self._stored + [(n, tuple(t.shape), t.dtype) for n, t in extra.items()]
         if self._layout is None or list(zip(self._layout.names, self._layout.shapes, self._layout.dtypes)) != specs:
             self._layout, self._buffer = FlatLayout.of(specs), None
+            self._offset = dict(zip(self._layout.names, self._layout.offsets))
         if self._buffer is None or self._buffer.device != device:
             self._buffer = self._layout.empty(device)
         return self._layout
@@ -84,7 +87,7 @@ class ServingBuffer:
 
         buffer = self._buffer
         assert buffer is not None
-        offset = dict(zip(layout.names, layout.offsets))
+        offset = self._offset
         casts: dict[tuple[torch.dtype, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         slow: list[tuple[str, torch.Tensor]] = []
         for name, t, dtype in [*((n, masters[n].detach(), d) for n, _, d in self._plain),
@@ -99,19 +102,15 @@ class ServingBuffer:
             views = layout.views(buffer)
             for name, t in slow:
                 views[name].copy_(t)
-        quantized: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        quantized: dict[torch.dtype, list[tuple[torch.Tensor, int, int]]] = {}
         elsewhere: dict[str, torch.Tensor] = {}
-        for name, _ in self._quantized:
+        for (name, _), (packed, scale) in zip(self._quantized, self._packed):
             t = masters[name].detach()
             if t.dtype in (torch.float32, torch.bfloat16) and t.device == buffer.device:
-                quantized.setdefault(t.dtype, []).append((name, t.contiguous()))
+                quantized.setdefault(t.dtype, []).append((t.contiguous(), offset[packed], offset[scale]))
             else:
                 elsewhere[name] = t
-        flags = []
-        for items in quantized.values():
-            names = [packed_names(n) for n, _ in items]
-            flags.append(mxfp4_into(buffer, [t for _, t in items], [offset[p] for p, _ in names],
-                                    [offset[s] for _, s in names]))
+        flags = [mxfp4_into(buffer, *map(list, zip(*items))) for items in quantized.values()]
         if flags and bool(torch.cat(flags).any()):  # one read back: refuse as `quantize` would, naming the first
             for name, _ in self._quantized:
                 mxfp4.check_quantisable(masters[name], name)

@@ -73,11 +73,11 @@ def cast_into(out: torch.Tensor, sources: list[torch.Tensor], offsets: list[int]
 
 
 @triton.jit
-def _mxfp4_kernel(table_ptr, out_ptr, bad_ptr, b0, b1, b2, b3, b4, b5, b6, SRC: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """Program (b, t): groups [b * BLOCK, (b + 1) * BLOCK) of tensor t (its values read in groups of 32, even and odd
-    positions apart): codes packed two a byte (even position in the low nibble) at `packed`, scale bytes at `scale`;
-    bad[t] set (1) where `quantize` would refuse."""
+def _mxfp4_kernel(table_ptr, out_ptr, bad_ptr, blocks, b0, b1, b2, b3, b4, b5, b6, SRC: tl.constexpr,
+                  BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (b, t): groups [b * BLOCK, (b + 1) * BLOCK) of tensor t, read as [BLOCK, 32] contiguous rows: codes
+    packed two a byte (even position in the low nibble) at `packed`, scale bytes at `scale`; bad[t, b] = 1 where
+    `quantize` would refuse a group."""
     b = tl.program_id(0)
     t = tl.program_id(1)
     src = tl.load(table_ptr + 4 * t).to(tl.pointer_type(SRC))
@@ -86,32 +86,22 @@ def _mxfp4_kernel(table_ptr, out_ptr, bad_ptr, b0, b1, b2, b3, b4, b5, b6, SRC: 
     scale = tl.load(table_ptr + 4 * t + 3)
     g = b * BLOCK + tl.arange(0, BLOCK)
     live = g < groups
-    j = tl.arange(0, 16)
-    at = g[:, None].to(tl.int64) * 32 + 2 * j[None, :]
-    lo = _as_f32(tl.load(src + at, mask=live[:, None], other=0), SRC)
-    hi = _as_f32(tl.load(src + at + 1, mask=live[:, None], other=0), SRC)
-    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+    k = tl.arange(0, 32)
+    x = tl.load(src + g[:, None].to(tl.int64) * 32 + k[None, :], mask=live[:, None], other=0)
+    if BF16:  # read as int16, widened by its bits (exact for subnormals, which the interpreter's conversion is not)
+        x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    amax = tl.max(tl.abs(x), axis=1)
     field = ((amax.to(tl.int32, bitcast=True) + 0x200000) >> 23) & 0xFF
     e = tl.minimum(tl.maximum(field - 129, -127), 127)
     down = ((127 - tl.minimum(e, 125)) << 23).to(tl.float32, bitcast=True)  # 2^-e (normal for every e <= 125)
-    finite = (tl.abs(lo) < float("inf")) & (tl.abs(hi) < float("inf"))
+    finite = tl.abs(x) < float("inf")
     refused = (tl.min(finite.to(tl.int32), axis=1) == 0) | (e > 125)
-    code_lo = _e2m1_code(lo * down[:, None], b0, b1, b2, b3, b4, b5, b6)
-    code_hi = _e2m1_code(hi * down[:, None], b0, b1, b2, b3, b4, b5, b6)
-    byte = (code_lo | (code_hi << 4)).to(tl.uint8)
+    codes = _e2m1_code(x * down[:, None], b0, b1, b2, b3, b4, b5, b6) << ((k[None, :] % 2) * 4)
+    byte = tl.sum(tl.reshape(codes, (BLOCK, 16, 2)), axis=2).to(tl.uint8)  # low | high << 4: the nibbles are apart
+    j = tl.arange(0, 16)
     tl.store(out_ptr + packed + g[:, None].to(tl.int64) * 16 + j[None, :], byte, mask=live[:, None])
     tl.store(out_ptr + scale + g, (e + 127).to(tl.uint8), mask=live)
-    any_refused = tl.max(tl.where(live & refused, 1, 0), axis=0)
-    tl.atomic_max(bad_ptr + t, any_refused)
-
-
-@triton.jit
-def _as_f32(x, SRC: tl.constexpr):
-    """fp32 values of elements read as SRC: fp32 as they are, bf16 (read as int16) widened by its bits (exact for
-    subnormals too, which the interpreter's own conversion is not)."""
-    if SRC == tl.int16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    return x
+    tl.store(bad_ptr + t * blocks + b, tl.max(tl.where(live & refused, 1, 0), axis=0))
 
 
 @triton.jit
@@ -137,9 +127,10 @@ def mxfp4_into(out: torch.Tensor, sources: list[torch.Tensor], packed: list[int]
     groups = [s.numel() // mxfp4.GROUP for s in sources]
     table = torch.tensor([[s.data_ptr(), n, p, q] for s, n, p, q in zip(sources, groups, packed, scales)],
                          dtype=torch.int64).to(out.device)
-    bad = torch.zeros(len(sources), dtype=torch.int32, device=out.device)
     bounds = [float(b) for b in mxfp4._strict_bounds(torch.device("cpu")).tolist()]
     grid = (triton.cdiv(max(groups), GROUPS_BLOCK), len(sources))
-    _mxfp4_kernel[grid](table, out, bad, *bounds, SRC=tl.float32 if src_dtype == torch.float32 else tl.int16,
+    bad = torch.zeros(grid[1], grid[0], dtype=torch.int32, device=out.device)
+    bf16 = src_dtype == torch.bfloat16
+    _mxfp4_kernel[grid](table, out, bad, grid[0], *bounds, SRC=tl.int16 if bf16 else tl.float32, BF16=bf16,
                         BLOCK=GROUPS_BLOCK)
-    return bad
+    return bad.amax(1)
