@@ -490,12 +490,12 @@ def misc_cases(tk) -> list[Case]:
                         lambda i, ls=ls, toks=toks: torch.log_softmax(ls[i] / 1.0, -1).gather(1, toks[:, None]), "torch log_softmax",
                         0, nb, s))
     from parity.kernels.triton.checksum import word_mix_sum
-    from parity.sync import bundle
+    from parity.sync import checksum as ck
 
     words = torch.randint(-(2**62), 2**62, (1 << 27,), dtype=torch.int64, device=DEV)  # 1 GiB of weights
-    consts = (bundle._C1, bundle._C2, bundle._C3, bundle._C4)
+    consts = (ck._C1, ck._C2, ck._C3, ck._C4)
     out.append(Case("sync checksum", "1 GiB", lambda i: word_mix_sum(words, *consts),
-                    lambda i: bundle._mix_sum(words, 0), "torch int64 passes", 0, words.numel() * 8, 1, graph=False))
+                    lambda i: ck._mix_sum(words, 0), "torch int64 passes", 0, words.numel() * 8, 1, graph=False))
     return out
 
 

@@ -12,7 +12,7 @@ Invariants (exit 1 if one fails):
    sweep stops at the first step where it does not, naming the layout, the step, the tokens that differ and the
    max |diff|.
 Reported: after each update, the classes of layouts with bitwise-equal weights and with bitwise-equal applied gradients
-(DDP-reduced, clipped; `parity.sync.bundle.checksum` of every whole tensor), the first tensor where a class differs
+(DDP-reduced, clipped; `parity.sync.checksum.checksum` of every whole tensor), the first tensor where a class differs
 from the first class, the smallest set of sizes among (tp, ep, dp) that fixes the class (the rule), for each pair
 of layouts differing in one size the gradients that size left equal, and each layout's gradient drift: its step-0
 gradients (same weights, same loss) against the first layout's, ||g - g0|| / ||g0|| and the worst tensor's, which

@@ -8,93 +8,21 @@ corrupt update leaves them on the previous version.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from parity.sync.flat import Flat
+from parity.sync.checksum import checksum, checksums, weights_checksum
+from parity.sync.flat import Flat, FlatChecksums, FlatLayout
+
+__all__ = ["Message", "Receiver", "SyncError", "TensorStore", "Transport", "WeightBundle", "checksum", "checksums",
+           "verify", "weights_checksum"]
 
 
 class SyncError(RuntimeError):
     """A rejected weight update; the message names the first offending tensor or field."""
-
-
-# Odd 64-bit multipliers and offsets (as signed int64) of the word mix below.
-_C1, _C2, _C3, _C4 = -7046029254386353131, -4658895280553007687, 1609587929392839161, -7723592293110705685
-
-
-def _mix_sum(words: torch.Tensor, first: int) -> int:
-    """sum_i mix(w_i, first + i) mod 2^64 (the torch form: element-wise int64 passes, wrapping)."""
-    idx = torch.arange(first, first + words.numel(), dtype=torch.int64, device=words.device)
-    return int((((words + idx * _C1) * _C2 ^ (idx * _C3)) * _C4).sum().item())
-
-
-def checksum(t: torch.Tensor) -> str:
-    """A 64-bit checksum of the tensor's bytes, with its dtype and shape, computed on the tensor's own device.
-
-    The bytes are read as 64-bit words w_i (the last one zero-padded); each is mixed with its index by a bijection
-    (add, xor, multiply by odd constants, mod 2^64), and the mixes are added mod 2^64. Integer addition is exact and
-    order-free, so the value does not depend on the device, the reduction order or the thread count: the same values
-    give the same checksum on the trainer's GPU (Triton, `parity.kernels.triton.checksum`), the engine's GPU and the
-    CPU. Any change of one word changes it; a word moved to another index changes it. Not cryptographic: it detects
-    corruption in flight, not tampering."""
-    return checksums({"": t})[""]
-
-
-def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """`checksum` of every tensor; the word sums of CUDA tensors in a few batched launches per device
-    (`parity.kernels.triton.checksum.word_mix_sums`) rather than a launch and a read-back each."""
-    data = {n: _bytes(t) for n, t in tensors.items()}
-    words = {n: d[: 8 * (d.numel() // 8)].view(torch.int64) for n, d in data.items()}
-    totals: dict[str, int] = {}
-    on_gpu: dict[torch.device, list[str]] = {}
-    for n, w in words.items():
-        if w.is_cuda:
-            on_gpu.setdefault(w.device, []).append(n)
-        else:
-            totals[n] = _mix_sum(w, 0)
-    if on_gpu:
-        from parity.kernels.triton.checksum import word_mix_sums  # Triton only where there is a GPU
-
-        for names in on_gpu.values():
-            totals.update(zip(names, word_mix_sums([words[n] for n in names], _C1, _C2, _C3, _C4)))
-    return {n: _digest(t, data[n], totals[n]) for n, t in tensors.items()}
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, contiguous, starting 8-byte aligned (int64 words need it)."""
-    data = t.detach().contiguous().view(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-    return data.clone() if data.storage_offset() % 8 else data
-
-
-def _digest(t: torch.Tensor, data: torch.Tensor, total: int) -> str:
-    """The checksum string from the whole words' mix sum `total`: the zero-padded last word added, then `digest`."""
-    whole = data.numel() // 8
-    if data.numel() % 8:
-        tail = torch.cat([data[8 * whole :], data.new_zeros(8 - data.numel() % 8)]).view(torch.int64)
-        total += _mix_sum(tail, whole)
-    return digest(t.dtype, tuple(t.shape), t.numel() * t.element_size(), total)
-
-
-def digest(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, total: int) -> str:
-    """The checksum string of a tensor whose words (the last zero-padded) mix to `total`: the sum mod 2^64 with the
-    dtype, shape and byte count hashed."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{dtype}:{tuple(shape)}:{nbytes}:{total & (2**64 - 1):016x}".encode())
-    return h.hexdigest()
-
-
-def weights_checksum(checksums: Mapping[str, str]) -> str:
-    """One checksum for a whole set of tensors from their `checksum`s (names included, order-free): what a rollout
-    server reports for the weights it serves (`GET /zerokl/weights`) and a trainer computes for what it sent."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(checksums):
-        h.update(f"{name}={checksums[name]};".encode())
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -116,12 +44,9 @@ class WeightBundle:
         return cls(version, kind, held, checksums(held))
 
     @classmethod
-    def make_flat(cls, version: int, buffer: torch.Tensor, layout: Any, kind: str = "full") -> WeightBundle:
-        """The bundle of the tensors `layout` (a `parity.sync.flat.FlatLayout`) places in `buffer`, checksummed in one
-        pass over the buffer (on CUDA one launch; the strings only when read). The sender leaves the buffer unchanged
-        until the sync returns."""
-        from parity.sync.flat import Flat, FlatChecksums
-
+    def make_flat(cls, version: int, buffer: torch.Tensor, layout: FlatLayout, kind: str = "full") -> WeightBundle:
+        """The bundle of the tensors `layout` places in `buffer`, checksummed in one pass over the buffer (on CUDA one
+        launch; the strings only when read). The sender leaves the buffer unchanged until the sync returns."""
         flat = Flat(buffer, layout, layout.word_sums(buffer))
         return cls(version, kind, layout.views(buffer), FlatChecksums(flat), flat)
 
@@ -193,7 +118,7 @@ class TensorStore:
         self.tensors = dict(tensors)
         self.version = version
         self.kind = kind
-        self._layout: Any = None  # the flat layout `expected()` was last found to match
+        self._layout: FlatLayout | None = None  # the flat layout `expected()` was last found to match
         self._buffers: list[torch.Tensor] = []  # [live, spare] of flat updates
 
     def expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -209,7 +134,7 @@ class TensorStore:
         self.tensors = {n: t.clone() for n, t in bundle.tensors.items()}
         self.version = bundle.version
 
-    def _holds(self, layout: Any) -> bool:
+    def _holds(self, layout: FlatLayout) -> bool:
         """Whether `layout` has exactly the store's names, shapes and dtypes (checked once per layout)."""
         if self._layout is not None and self._layout.matches(layout):
             return True
@@ -219,8 +144,6 @@ class TensorStore:
         return True
 
     def _apply_flat(self, bundle: WeightBundle) -> None:
-        from parity.sync.flat import check_copy
-
         if bundle.version <= self.version:
             raise SyncError(f"stale update: version {bundle.version} is not newer than the engine's {self.version}")
         flat = bundle.flat
@@ -232,9 +155,20 @@ class TensorStore:
         spare.copy_(flat.buffer)
         check_copy(flat, spare)
         self._buffers.reverse()  # the spare is live; the old live buffer (if any) is the next spare
-        self.tensors = self._layout.views(spare)
+        self.tensors = flat.layout.views(spare)
         self.version = bundle.version
 
     def receive(self, transport: Transport, message: Message) -> None:
         """`apply` the bundle `transport` delivers with `message`."""
         self.apply(transport.receive(message))
+
+
+def check_copy(flat: Flat, held: torch.Tensor) -> None:
+    """Raise SyncError unless `held` (a receiver's copy of `flat.buffer`, same layout) has the sender's word sums,
+    naming the first tensor that differs. One comparison on the device, one read back."""
+    arrived = flat.layout.word_sums(held)
+    sent = flat.sums.to(arrived.device)
+    if torch.equal(arrived, sent):
+        return
+    bad = int((arrived != sent).nonzero()[0])
+    raise SyncError(f"{flat.layout.names[bad]}: checksum mismatch (corrupted in flight)")

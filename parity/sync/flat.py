@@ -3,7 +3,7 @@ copies and verifies one buffer in a few launches instead of a few per tensor.
 
 Invariant: a `FlatLayout` places tensor i at byte `offsets[i]` (a multiple of `ALIGN`), in a fixed order, and the
 bytes between tensors are zero in every buffer it makes (`empty`). `word_sums(buffer)[i]` is then the word-mix total
-`parity.sync.bundle.checksum` computes for tensor i: its bytes read as 64-bit words from its offset, the zero padding
+`parity.sync.checksum.checksum` computes for tensor i: its bytes read as 64-bit words from its offset, the zero padding
 up to the next word being the checksum's zero-padded last word. So a flat bundle's digests (`FlatChecksums`) are
 exactly `checksums` of its tensors, and a receiver holding the same layout verifies a copy with one launch and one
 comparison on the device.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parity.sync.bundle import SyncError, _C1, _C2, _C3, _C4, _mix_sum, digest
+from parity.sync.checksum import _C1, _C2, _C3, _C4, _mix_sum, digest
 
 ALIGN = 16  # bytes: every tensor starts here (a view of any dtype is aligned; int64 words need 8)
 _VIEWS_KEPT = 4  # buffers whose views a layout keeps (a sender's, a receiver's two, one spare)
@@ -70,7 +70,7 @@ class FlatLayout:
         """Every tensor as a view of `buffer` (the views of the last few buffers are kept: a sync reuses its
         buffers, and thousands of views cost milliseconds to make)."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != self.total:
-            raise SyncError(f"a flat weight buffer of this layout is uint8 [{self.total}], got {buffer.dtype} "
+            raise ValueError(f"a flat weight buffer of this layout is uint8 [{self.total}], got {buffer.dtype} "
                             f"{tuple(buffer.shape)}")
         kept: OrderedDict = self._cache.setdefault("views", OrderedDict())
         key = (buffer.device, buffer.data_ptr())
@@ -102,7 +102,7 @@ class FlatLayout:
         return [-(-self.nbytes(i) // 8) for i in range(len(self.names))]
 
     def digests(self, sums: torch.Tensor) -> dict[str, str]:
-        """`parity.sync.bundle.checksums`' strings from `word_sums` (one read back)."""
+        """`parity.sync.checksum.checksums`' strings from `word_sums` (one read back)."""
         return {n: digest(d, s, self.nbytes(i), total)
                 for i, (n, d, s, total) in enumerate(zip(self.names, self.dtypes, self.shapes, sums.tolist()))}
 
@@ -138,13 +138,3 @@ class FlatChecksums(Mapping):
 
     def __len__(self) -> int:
         return len(self.flat.layout.names)
-
-
-def check_copy(flat: Flat, held: torch.Tensor) -> None:
-    """Raise SyncError unless `held` (a receiver's copy of `flat.buffer`, same layout) has the sender's word sums,
-    naming the first tensor that differs. One comparison on the device, one read back."""
-    arrived = flat.layout.word_sums(held)
-    if torch.equal(arrived, flat.sums.to(arrived.device)):
-        return
-    bad = int((arrived != flat.sums.to(arrived.device)).nonzero()[0])
-    raise SyncError(f"{flat.layout.names[bad]}: checksum mismatch (corrupted in flight)")

@@ -301,15 +301,15 @@ def test_checksum_word_mix_equals_the_torch_form(p: Platform) -> None:
     """The weight-sync checksum's one-pass kernel gives the torch form's sum mod 2^64 for any length (one and
     several blocks, a partial last block), and `checksum` on the platform's tensor equals the CPU one."""
     from parity.kernels.triton.checksum import BLOCK, word_mix_sum
-    from parity.sync import bundle
+    from parity.sync import checksum as ck
 
     g = torch.Generator().manual_seed(3)
     for n in (0, 1, BLOCK - 1, BLOCK, 2 * BLOCK + 5):
         w = torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=g)
-        want = bundle._mix_sum(w, 0) & (2**64 - 1)
-        assert word_mix_sum(p.t(w), bundle._C1, bundle._C2, bundle._C3, bundle._C4) == want
+        want = ck._mix_sum(w, 0) & (2**64 - 1)
+        assert word_mix_sum(p.t(w), ck._C1, ck._C2, ck._C3, ck._C4) == want
     for t in (torch.randn(37, 11, generator=g).bfloat16(), torch.randint(0, 255, (4099,), dtype=torch.uint8)):
-        assert bundle.checksum(p.t(t)) == bundle.checksum(t)
+        assert ck.checksum(p.t(t)) == ck.checksum(t)
 
 
 def test_checksum_batches_equal_one_tensor_at_a_time(p: Platform, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -317,25 +317,25 @@ def test_checksum_batches_equal_one_tensor_at_a_time(p: Platform, monkeypatch: p
     each sum is the torch form's, empty and partial-block tensors included; `checksums` on the platform's tensors
     equals `checksum` of each on the CPU."""
     from parity.kernels.triton import checksum as kernel
-    from parity.sync import bundle
+    from parity.sync import checksum as ck
 
     monkeypatch.setattr(kernel, "BATCH_BYTES", 3 * kernel.BLOCK * 8)
     g = torch.Generator().manual_seed(4)
     sizes = (5, 0, kernel.BLOCK + 3, 1, 2 * kernel.BLOCK, 7, 0, kernel.BLOCK - 1)
     words = [torch.randint(-(2**63), 2**63 - 1, (n,), dtype=torch.int64, generator=g) for n in sizes]
-    want = [bundle._mix_sum(w, 0) & (2**64 - 1) for w in words]
-    assert kernel.word_mix_sums([p.t(w) for w in words], bundle._C1, bundle._C2, bundle._C3, bundle._C4) == want
+    want = [ck._mix_sum(w, 0) & (2**64 - 1) for w in words]
+    assert kernel.word_mix_sums([p.t(w) for w in words], ck._C1, ck._C2, ck._C3, ck._C4) == want
     tensors = {f"t{i}": t for i, t in enumerate((torch.randn(37, 11, generator=g).bfloat16(), torch.zeros(0),
                                                   torch.randint(0, 255, (4099,), dtype=torch.uint8),
                                                   torch.randn(3, kernel.BLOCK + 1, generator=g)))}
-    assert bundle.checksums({n: p.t(t) for n, t in tensors.items()}) == {n: bundle.checksum(t) for n, t in tensors.items()}
+    assert ck.checksums({n: p.t(t) for n, t in tensors.items()}) == {n: ck.checksum(t) for n, t in tensors.items()}
 
 
 def test_flat_segment_sums_are_each_tensors_checksum(p: Platform) -> None:
     """A flat buffer's segment sums (one launch over every tensor, padding to the next word included) give the
     checksums of its tensors: odd byte counts, an empty tensor, several blocks."""
     from parity.kernels.triton.checksum import BLOCK, segment_sums, segment_table
-    from parity.sync import bundle
+    from parity.sync import checksum as ck
     from parity.sync.flat import FlatLayout
 
     g = torch.Generator().manual_seed(5)
@@ -348,8 +348,8 @@ def test_flat_segment_sums_are_each_tensors_checksum(p: Platform) -> None:
         view.copy_(tensors[name])
     counts = [-(-layout.nbytes(i) // 8) for i in range(len(tensors))]
     plan = segment_table(counts, [o // 8 for o in layout.offsets], torch.device(p.dev))
-    sums = segment_sums(p.t(buffer).view(torch.int64), plan, bundle._C1, bundle._C2, bundle._C3, bundle._C4)
-    assert layout.digests(sums) == bundle.checksums(tensors)
+    sums = segment_sums(p.t(buffer).view(torch.int64), plan, ck._C1, ck._C2, ck._C3, ck._C4)
+    assert layout.digests(sums) == ck.checksums(tensors)
     assert torch.equal(layout.word_sums(p.t(buffer)).cpu(), sums.cpu())
 
 

@@ -1,6 +1,6 @@
 """The weight-sync checksum's word mix in one pass over the tensors' bytes on the GPU.
 
-`parity.sync.bundle.checksum` reads a tensor's bytes as 64-bit words w_i and adds mix(w_i, i) mod 2^64. In torch that
+`parity.sync.checksum.checksum` reads a tensor's bytes as 64-bit words w_i and adds mix(w_i, i) mod 2^64. In torch that
 is eight element-wise passes with int64 temporaries (about 16 bytes of memory traffic per byte hashed); this kernel
 reads each word once and writes one partial sum per program. Integer addition mod 2^64 is exact and order-free, so
 the total equals the torch form's bit for bit, whatever the block size or the order the partial sums are added in
