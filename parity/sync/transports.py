@@ -177,9 +177,7 @@ class Disk:
         if final.exists():
             raise SyncError(f"{final} already exists: versions must increase")
         with atomic_dir(final) as tmp:
-            # safetensors refuses tensors sharing memory (a flat bundle's views): those are written from copies
-            save_file({n: t.clone() if bundle.flat is not None else t for n, t in bundle.tensors.items()},
-                      str(tmp / TENSORS))
+            save_file(dict(bundle.tensors), str(tmp / TENSORS))
             (tmp / MANIFEST).write_text(json.dumps({"version": bundle.version, "kind": bundle.kind,
                                                     "checksums": dict(bundle.checksums)}))
         for old in sorted(Path(self.root).glob("v????????"))[: -self.keep]:

@@ -105,3 +105,13 @@ def test_serving_buffer_holds_the_bytes_of_serving_weights(config: str) -> None:
     del missing[first]
     with pytest.raises(KeyError, match="weights lack"):
         writer.bundle(3, missing)
+
+
+def test_flat_bundle_travels_over_disk(tmp_path) -> None:
+    """A flat bundle's views go to disk as they are (they share one buffer without overlapping) and arrive intact."""
+    from parity.sync.transports import Disk
+
+    store, _ = _store_and_sync(_tensors(0))
+    buffer, layout = _flat(_tensors(4))
+    WeightSync(Disk(tmp_path), store)(WeightBundle.make_flat(1, buffer, layout))
+    assert store.version == 1 and all(torch.equal(store.tensors[n], t) for n, t in _tensors(4).items())
