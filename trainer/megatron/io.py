@@ -225,7 +225,8 @@ def export_official(model: MegatronK3Model, compute_dtype: bool = False,
 
     compute_dtype: keep the trained tensors (text, and a trained vision tower) in the parameters' dtype (fp32 master
     weights) instead of casting to the checkpoint's storage dtype; weight sync into a rollout engine needs the exact
-    bits the trainer computes with."""
+    bits the trainer computes with. What no TP or EP group gathers (everything on one rank) is the live parameter
+    itself, not a copy: clone what must outlive the next optimizer step."""
     roles = split_roles(model.config.k3.text)
     params = {n: p.detach() for n, p in model.official_parameters().items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
