@@ -64,13 +64,19 @@ def word_mix_sums(words: list[torch.Tensor], c1: int, c2: int, c3: int, c4: int)
 def segment_table(counts: list[int], starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The programs of segments (`counts[i]` words from word `starts[i]` of one buffer): (table [3, programs] of each
     program's start word, first index within its segment and word count; blocks per segment), on `device`."""
-    counts_t = torch.tensor(counts, dtype=torch.int64)
-    blocks = (counts_t + BLOCK - 1) // BLOCK  # programs per segment (none for an empty one)
-    owner = torch.repeat_interleave(torch.arange(len(counts)), blocks)
-    first = (torch.arange(int(blocks.sum())) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)) * BLOCK
+    blocks, owner, first, count = programs(counts, BLOCK)
     start = torch.tensor(starts, dtype=torch.int64)[owner] + first
-    table = torch.stack([start, first, torch.clamp(counts_t[owner] - first, max=BLOCK)])
-    return table.to(device), blocks.to(device)
+    return torch.stack([start, first, count]).to(device), blocks.to(device)
+
+
+def programs(counts: list[int], block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Segments of `counts[i]` elements cut into programs of at most `block` consecutive elements (none for an empty
+    segment), on the CPU: (programs per segment; each program's segment, first element within it, element count)."""
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    blocks = (counts_t + block - 1) // block
+    owner = torch.repeat_interleave(torch.arange(len(counts)), blocks)
+    first = (torch.arange(int(blocks.sum())) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)) * block
+    return blocks, owner, first, torch.clamp(counts_t[owner] - first, max=block)
 
 
 def segment_sums(words: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor], c1: int, c2: int, c3: int,

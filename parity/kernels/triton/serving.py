@@ -1,5 +1,5 @@
 """The serving form of many master tensors written into one flat byte buffer, a few launches in all
-(`parity.sync.flat.write_serving` on a GPU).
+(`parity.sync.serving.ServingBuffer` on a GPU).
 
 Each kernel reads its sources through a table of their addresses, so thousands of tensors cost one launch per
 (source dtype, kind), not one each. Both keep the bits of the torch forms they replace (tested against them under
@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from parity.kernels.triton.checksum import programs
 from parity.quant import mxfp4
 
 CAST_BLOCK = 8192  # elements a program of `cast_into`
@@ -58,16 +59,12 @@ def cast_into(out: torch.Tensor, sources: list[torch.Tensor], offsets: list[int]
         raise TypeError("cast_into takes contiguous sources of one dtype")
     if not (src_dtype == dtype or (src_dtype, dtype) == (torch.float32, torch.bfloat16)):
         raise TypeError(f"cast_into casts fp32 to bf16 or copies, not {src_dtype} to {dtype}")
-    counts = torch.tensor([s.numel() for s in sources], dtype=torch.int64)
-    blocks = (counts + CAST_BLOCK - 1) // CAST_BLOCK
-    if not int(blocks.sum()):
+    _, owner, first, count = programs([s.numel() for s in sources], CAST_BLOCK)
+    if not owner.numel():
         return
-    owner = torch.repeat_interleave(torch.arange(len(sources)), blocks)
-    first = (torch.arange(int(blocks.sum())) - torch.repeat_interleave(blocks.cumsum(0) - blocks, blocks)) * CAST_BLOCK
     addresses = torch.tensor([s.data_ptr() for s in sources], dtype=torch.int64)
     starts = torch.tensor(offsets, dtype=torch.int64) // dtype.itemsize
-    table = torch.stack([addresses[owner], first, torch.clamp(counts[owner] - first, max=CAST_BLOCK),
-                         starts[owner] + first], dim=1).to(out.device)
+    table = torch.stack([addresses[owner], first, count, starts[owner] + first], dim=1).to(out.device)
     _cast_kernel[(table.shape[0],)](table, out, SRC=_TL[src_dtype], DST=_TL[dtype],
                                     F32_TO_BF16=src_dtype != dtype, BLOCK=CAST_BLOCK)
 
