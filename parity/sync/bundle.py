@@ -56,10 +56,15 @@ class WeightBundle:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def verify(bundle: WeightBundle, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], current_version: int) -> None:
-    """Raise SyncError unless `bundle` is complete, intact and newer than `current_version`."""
+def check_newer(bundle: WeightBundle, current_version: int) -> None:
+    """Raise SyncError unless `bundle` is newer than the receiver's `current_version`."""
     if bundle.version <= current_version:
         raise SyncError(f"stale update: version {bundle.version} is not newer than the engine's {current_version}")
+
+
+def verify(bundle: WeightBundle, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], current_version: int) -> None:
+    """Raise SyncError unless `bundle` is complete, intact and newer than `current_version`."""
+    check_newer(bundle, current_version)
     missing = sorted(set(expected) - set(bundle.tensors))
     extra = sorted(set(bundle.tensors) - set(expected))
     if missing:
@@ -144,8 +149,7 @@ class TensorStore:
         return True
 
     def _apply_flat(self, bundle: WeightBundle) -> None:
-        if bundle.version <= self.version:
-            raise SyncError(f"stale update: version {bundle.version} is not newer than the engine's {self.version}")
+        check_newer(bundle, self.version)
         flat = bundle.flat
         assert flat is not None
         device = next(iter(self.tensors.values())).device if self.tensors else flat.buffer.device
