@@ -50,7 +50,7 @@ from parity.io.checkpoint import init_checkpoint, load_checkpoint  # noqa: E402
 from parity.kernels import get_kernels  # noqa: E402
 from parity.model import K3Forward, K3Weights  # noqa: E402
 from parity.sync.bundle import TensorStore, WeightBundle  # noqa: E402
-from parity.sync.group import StandaloneGroup, free_port  # noqa: E402
+from parity.sync.group import StandaloneGroup, host_store  # noqa: E402
 from parity.sync.transports import TorchDistributed  # noqa: E402
 from parity.weights import serving_dtype, serving_weights, stored_specs  # noqa: E402
 from trainer.logprobs import PaddedBatch, token_logprobs  # noqa: E402
@@ -69,7 +69,8 @@ def cuda() -> bool:
 
 def shared_group(rank: int, world: int, address: str) -> StandaloneGroup:
     host, port = address.rsplit(":", 1)
-    return StandaloneGroup(host, int(port), rank, world, "nccl" if cuda() else "gloo", timeout_s=600)
+    return StandaloneGroup(host, int(port), rank, world, "nccl" if cuda() else "gloo", timeout_s=600,
+                           launcher_store=True)
 
 
 def link(group: StandaloneGroup, device: torch.device) -> TorchDistributed:
@@ -237,14 +238,14 @@ def driver(args: argparse.Namespace) -> int:
         checkpoint = Path(args.checkpoint) if args.checkpoint else \
             init_checkpoint(args.config, Path(tmp) / "ckpt", seed=args.seed, dtype=args.dtype)
         out = Path(args.json) if args.json else Path(tmp) / "report.json"
-        address = f"127.0.0.1:{free_port()}"
+        store = host_store()  # the shared group's rendezvous, hosted here until every rank is done
+        address = f"127.0.0.1:{store.port}"
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONWARNINGS": "ignore"}
 
         def devices(ids: range) -> dict[str, str]:
             return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if cuda() else {}
 
-        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k),
-                                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k), "--standalone",
                                    *role_argv(args, "trainer", checkpoint, address, out)],
                                   env={**env, **devices(range(k))}, start_new_session=True)]
         procs += [subprocess.Popen([sys.executable, *role_argv(args, "rollout", checkpoint, address, out),

@@ -66,8 +66,8 @@ def torchrun_checks(script: Path, args: Sequence[str], checks: int, timeout: flo
     """Run `script` on `nproc` local ranks (`torchrun --nproc_per_node`, gloo, one thread each, `env` added to the
     environment) and require exit 0 with `checks` lines starting "ok  " on stdout; returns stdout. A timeout kills
     torchrun and its workers (their own process group) and fails with their output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone", str(script),
+           *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

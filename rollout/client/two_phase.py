@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from parity.sync.bundle import SyncError, Transport, WeightBundle, weights_checksum
-from parity.sync.group import StandaloneGroup, address_towards, free_port
+from parity.sync.group import StandaloneGroup, address_towards, host_store
 from parity.sync.transports import TorchDistributed
 from rollout.client import http
 from rollout.client.http import Server, ServerDown
@@ -160,7 +160,8 @@ class TwoPhaseSync:
         for this sync through `/init_weight_transfer_engine`); each server's answer."""
         first = urllib.parse.urlsplit(servers[0].url)
         host = address_towards(first.hostname or "127.0.0.1", first.port or 80)
-        port = free_port("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+        store = host_store("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+        port = int(store.port)
         world = 1 + sum(s.workers for s in servers)
         backend = "nccl" if next(iter(bundle.tensors.values())).is_cuda else "gloo"
         offsets = [1 + sum(s.workers for s in servers[:k]) for k in range(len(servers))]
@@ -170,7 +171,7 @@ class TwoPhaseSync:
                                                  "world_size": world, "backend": backend}})
                       for s, off in zip(servers, offsets)]
             try:
-                group = StandaloneGroup(host, port, 0, world, backend)
+                group = StandaloneGroup(host, port, 0, world, backend, store=store)
             except RuntimeError as e:
                 failed = RuntimeError(f"did not join the weight-sync group at {host}:{port} ({e})")
                 return [(s, _failure(f) or failed) for s, f in zip(servers, joined)]

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import free_port
 
 pytestmark = pytest.mark.slow  # starts engines, trainers or processes: scheduled first (conftest.py)
 
@@ -27,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_sync_x2_harness_on_gloo(tmp_path: Path) -> None:
     report, dump = tmp_path / "report.json", tmp_path / "logprobs.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "bench" / "sync_x2.py"), "--config", "configs/k3-tiny.yaml",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+           str(ROOT / "bench" / "sync_x2.py"), "--config", "configs/k3-tiny.yaml",
            "--prompts", "20", "13", "--max-new", "6", "--chunk", "8", "--scale", "2", "--megatron",
            "--json", str(report), "--dump", str(dump)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",

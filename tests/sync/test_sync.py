@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksum
-from parity.sync.group import StandaloneGroup, free_port
+from parity.sync.group import StandaloneGroup, host_store
 from parity.sync.transports import (ALIGN, CudaIpc, Disk, Memory, SharedMemory, TorchDistributed, WeightSync, buckets,
                                      by_name)
 
@@ -131,10 +132,11 @@ def test_checksum_is_device_and_order_free_and_catches_one_bit() -> None:
     assert checksum(x.view(torch.int32)) != one and checksum(x[:4096].view(64, 64)) != checksum(x[:4096])
 
 
-def _dist_worker(rank: int, init: str, out: str, world: int, standalone: bool) -> None:
+def _dist_worker(index: int, init: str, out: str, world: int, standalone: bool, store: Any = None) -> None:
+    rank = index + standalone  # standalone: rank 0 is the test's own process, which hosts the store
     if standalone:  # no default group at all: a trainer and servers that share no torch.distributed world
         host, port = init.split(":")
-        group = StandaloneGroup(host, int(port), rank, world)
+        group = StandaloneGroup(host, int(port), rank, world, store=store)
     else:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         group = None
@@ -158,8 +160,14 @@ def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool) -> N
     shared world (all tensors in one bucket), and over a `StandaloneGroup` in processes with no default group (64-byte
     buckets: two tensors packed in one, one alone)."""
     out, world = tmp_path / "received.pt", 3
-    init = f"127.0.0.1:{free_port()}" if standalone else f"file://{tmp_path / 'init'}"
-    mp.start_processes(_dist_worker, args=(init, str(out), world, standalone), nprocs=world, start_method="spawn")
+    store = host_store() if standalone else None
+    init = f"127.0.0.1:{store.port}" if store else f"file://{tmp_path / 'init'}"
+    ranks = mp.start_processes(_dist_worker, args=(init, str(out), world, standalone), nprocs=world - standalone,
+                               start_method="spawn", join=False)
+    if store:
+        _dist_worker(-1, init, str(out), world, standalone, store)
+    while not ranks.join():  # each call returns as one more rank ends (raises if one failed)
+        pass
     for rank in range(1, world):
         got = torch.load(f"{out}.{rank}")
         assert got["version"] == 7

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port
 from parity.config import load_model_config
 from parity.weights import text_specs
 
@@ -25,8 +24,8 @@ REPS = 2
 
 def test_sync_rate_on_gloo(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "bench" / "sync_rate.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone",
+           str(ROOT / "bench" / "sync_rate.py"),
            "--config", "configs/k3-tiny-mxfp4.yaml", "--buffer-mib", "8", "--bucket-mib", "2", "--reps", str(REPS),
            "--json", str(report)]
     run = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,

@@ -54,15 +54,15 @@ class TrainerActor:
     """One trainer rank: `zerokl ppo`'s loop in this actor's process."""
 
     def rendezvous(self, local: bool) -> tuple[str, int]:
-        """This node's address (the loopback on a one-node cluster) and a free port on it (rank 0's: where the ranks
-        meet)."""
+        """This node's address (the loopback on a one-node cluster) and the port of the rendezvous store this actor
+        now hosts (rank 0's: where the ranks meet; bound here, so no other process can take it in between)."""
         import ray
 
-        from parity.sync.group import free_port
+        from parity.sync.group import host_store
 
-        if local:
-            return "127.0.0.1", free_port("127.0.0.1")
-        return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+        host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        self.store = host_store("127.0.0.1" if local else "0.0.0.0")
+        return host, int(self.store.port)
 
     def run(self, train: Callable[[PPOConfig, Path, str | None], int], cfg: PPOConfig, out: str, resume: str | None,
             env: dict[str, str]) -> int:
@@ -81,6 +81,7 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'zerokl[ray]'") from None
+    from parity.sync.group import AGENT_STORE_ENV
     from zerokl.ppo.setup import base_checkpoint, server_lora
     from zerokl.ppo.rollouts import engine_args_for
 
@@ -122,7 +123,7 @@ def run_on_ray(cfg: PPOConfig, out: Path, resume: str | None, address: str, rank
         if ranks > 1:
             host, port = ray.get(trainers[0].rendezvous.remote(local))
             env = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": host,
-                   "MASTER_PORT": str(port)}
+                   "MASTER_PORT": str(port), **AGENT_STORE_ENV}
         run = replace(cfg, rollout_servers=list(urls), num_rollout_servers=0)
         ranked = [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} if ranks > 1 else {} for r in range(ranks)]
         codes = ray.get([t.run.remote(train, run, str(out), resume, e) for t, e in zip(trainers, ranked)])
