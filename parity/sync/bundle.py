@@ -75,8 +75,11 @@ def verify(bundle: WeightBundle, expected: Mapping[str, tuple[tuple[int, ...], t
         shape, dtype = expected[name]
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
             raise SyncError(f"{name}: got {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}")
-        if name not in bundle.checksums:
+        if bundle.flat is None and name not in bundle.checksums:  # a flat bundle's sums cover its layout's names
             raise SyncError(f"{name}: no checksum")
+    if bundle.flat is not None:  # the tensors are views of its buffer: one pass over it
+        check_copy(bundle.flat, bundle.flat.buffer)
+        return
     arrived = checksums(bundle.tensors)
     for name in bundle.tensors:
         if arrived[name] != bundle.checksums[name]:
@@ -168,8 +171,8 @@ class TensorStore:
 
 
 def check_copy(flat: Flat, held: torch.Tensor) -> None:
-    """Raise SyncError unless `held` (a receiver's copy of `flat.buffer`, same layout) has the sender's word sums,
-    naming the first tensor that differs. One comparison on the device, one read back."""
+    """Raise SyncError unless `held` (a receiver's copy of `flat.buffer`, or the buffer as it arrived; same layout)
+    has the sender's word sums, naming the first tensor that differs. One comparison on the device, one read back."""
     arrived = flat.layout.word_sums(held)
     sent = flat.sums.to(arrived.device)
     if torch.equal(arrived, sent):

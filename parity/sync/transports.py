@@ -14,9 +14,9 @@ bundle` on the receiving side (the same class, or `by_name(transport.name)` in a
   it until the receiver's views are gone).
 - `Disk`: safetensors + a JSON manifest (version, kind, checksums) written once to `ROOT/v{version}` through a
   temporary directory and an atomic rename; the message names the directory. `Disk()` (no root) only receives.
-- `TorchDistributed`: broadcasts the manifest, then the tensors in name order packed into byte buckets, from a source
-  rank over a `torch.distributed` group (gloo on CPU, NCCL on GPU: the sender's tensors and the receiver's `device` are then
-  CUDA devices); every rank gets the same bundle.
+- `TorchDistributed`: broadcasts the manifest, then the tensors in name order packed into byte buckets (a flat bundle:
+  its buffer as it is, in slices), from a source rank over a `torch.distributed` group (gloo on CPU, NCCL on GPU: the
+  sender's tensors and the receiver's `device` are then CUDA devices); every rank gets the same bundle.
 
 `WeightSync(transport, receiver)` runs one sync with user hooks around it.
 """
@@ -24,6 +24,7 @@ bundle` on the receiving side (the same class, or `by_name(transport.name)` in a
 from __future__ import annotations
 
 import json
+import functools
 import math
 import os
 import shutil
@@ -39,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from parity.io.atomic import atomic_dir
 from parity.sync.bundle import Message, Receiver, SyncError, Transport, WeightBundle
+from parity.sync.flat import Flat, FlatChecksums, FlatLayout
 from parity.sync.group import StandaloneGroup
 
 MANIFEST = "manifest.json"
@@ -243,7 +245,10 @@ class TorchDistributed:
 
     On the wire: the manifest (an object), then the tensors in name order packed into flat byte buckets of up to
     `bucket_bytes` (`buckets`), one broadcast per bucket; a receiver's tensors are views of its bucket buffers. A
-    bucket of one tensor is broadcast from (and into) the tensor itself, without the packing copy."""
+    bucket of one tensor is broadcast from (and into) the tensor itself, without the packing copy. A flat bundle
+    travels as its buffer, in slices of `bucket_bytes`, with its layout's specs and the sender's word sums in the
+    manifest: the receiver gets a flat bundle of the same layout, which `verify` checks with one pass over the
+    buffer."""
 
     src: int = 0
     group: dist.ProcessGroup | StandaloneGroup | None = None
@@ -266,6 +271,8 @@ class TorchDistributed:
         return box[0]
 
     def send(self, bundle: WeightBundle) -> Message:
+        if bundle.flat is not None:
+            return self._send_flat(bundle, bundle.flat)
         manifest = {"version": bundle.version, "kind": bundle.kind, "checksums": dict(bundle.checksums),
                     "bucket_bytes": self.bucket_bytes,
                     "meta": [(n, list(t.shape), str(t.dtype)) for n, t in sorted(bundle.tensors.items())]}
@@ -279,8 +286,20 @@ class TorchDistributed:
                                   tensors[0].device))
         return {"version": bundle.version, "kind": bundle.kind}
 
+    def _send_flat(self, bundle: WeightBundle, flat: Flat) -> Message:
+        layout = flat.layout
+        self._broadcast_object({"version": bundle.version, "kind": bundle.kind, "bucket_bytes": self.bucket_bytes,
+                                "flat": [(n, list(s), str(d)) for n, s, d in
+                                         zip(layout.names, layout.shapes, layout.dtypes)],
+                                "sums": flat.sums.tolist()})
+        for start in range(0, layout.total, self.bucket_bytes):
+            self._broadcast(flat.buffer[start : start + self.bucket_bytes])
+        return {"version": bundle.version, "kind": bundle.kind}
+
     def receive(self, message: Message | None = None) -> WeightBundle:
         manifest = self._broadcast_object(None)
+        if "flat" in manifest:
+            return self._receive_flat(manifest)
         meta = {name: (shape, getattr(torch, dtype.removeprefix("torch."))) for name, shape, dtype in manifest["meta"]}
         tensors = {}
         for bucket in buckets(manifest["meta"], int(manifest["bucket_bytes"])):
@@ -297,8 +316,24 @@ class TorchDistributed:
                 tensors[name] = _view(flat, start, *meta[name])
         return WeightBundle(manifest["version"], manifest["kind"], tensors, manifest["checksums"])
 
+    def _receive_flat(self, manifest: dict) -> WeightBundle:
+        layout = _layout(tuple((n, tuple(s), d) for n, s, d in manifest["flat"]))
+        buffer = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
+        step = int(manifest["bucket_bytes"])
+        for start in range(0, layout.total, step):
+            self._broadcast(buffer[start : start + step])
+        flat = Flat(buffer, layout, torch.tensor(manifest["sums"], dtype=torch.int64, device=buffer.device))
+        return WeightBundle(manifest["version"], manifest["kind"], layout.views(buffer), FlatChecksums(flat), flat)
+
     def release(self, message: Message) -> None:
         pass
+
+
+@functools.lru_cache(maxsize=2)
+def _layout(specs: tuple[tuple[str, tuple[int, ...], str], ...]) -> FlatLayout:
+    """The flat layout of a manifest's specs, the same object for the same specs (a receiver of one sync after
+    another keeps its views and checksum tables)."""
+    return FlatLayout.of((n, s, getattr(torch, d.removeprefix("torch."))) for n, s, d in specs)
 
 
 RECEIVING = {"memory": Memory, "shared_memory": SharedMemory, "cuda_ipc": CudaIpc, "disk": Disk}

@@ -1,4 +1,4 @@
-"""The `zerokl` weight-transfer backend: vLLM workers receive `parity.sync` weight bundles on CPU.
+"""The `zerokl` weight-transfer backend: vLLM workers receive `parity.sync` weight bundles, on CPU or GPU.
 
 vLLM's built-in backends (NCCL, CUDA IPC) need GPUs. This one takes any `parity.sync` transport through vLLM's own
 weight-update API: `start_weight_update`, `update_weights({"transport": NAME, "message": MESSAGE})`,
@@ -7,8 +7,9 @@ weight-update API: `start_weight_update`, `update_weights({"transport": NAME, "m
 segment on this host), `disk` (the message names a directory the trainer wrote once), or `torch_distributed`: a
 broadcast from the trainer over the group that `init_weight_transfer_engine` set up (`init_info`: `master_address`,
 `master_port`, `rank_offset`, `world_size`, `backend` gloo or nccl; each worker joins as `rank_offset` + its rank
-across vLLM's data-parallel replicas, the trainer is rank 0), which is how a trainer reaches servers it does not own
-(`rollout.client.remote`).
+across vLLM's data-parallel replicas, the trainer is rank 0; the bundle arrives on the worker's device), which is how a
+trainer reaches servers it does not own (`rollout.client.remote`). A flat bundle arrives flat and is verified in one
+pass over its buffer.
 
 All-or-nothing, across servers too: `update_weights` verifies the whole bundle (every text weight present with the
 model's shape and dtype, every checksum matching the bytes that arrived, finite values, a version newer than the
@@ -98,7 +99,7 @@ class ZeroKLWeightTransferEngine(WeightTransferEngine[SyncInitInfo, SyncUpdateIn
         if update_info.transport == TorchDistributed.name:
             if self._group is None:
                 raise SyncError("a torch_distributed update before init_weight_transfer_engine set up its group")
-            bundle = TorchDistributed(src=0, group=self._group).receive()
+            bundle = TorchDistributed(src=0, group=self._group, device=self.device).receive()
         else:
             bundle = by_name(update_info.transport).receive(update_info.message)
         if bundle.kind != "full":

@@ -9,7 +9,7 @@ import torch
 from parity.config import load_model_config
 from parity.io.checkpoint import random_weights
 from parity.quant.mxfp4 import QuantError
-from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksums
+from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksums, verify
 from parity.sync.flat import ALIGN, Flat, FlatChecksums, FlatLayout
 from parity.sync.serving import ServingBuffer
 from parity.sync.transports import Memory, WeightSync
@@ -115,3 +115,26 @@ def test_flat_bundle_travels_over_disk(tmp_path) -> None:
     buffer, layout = _flat(_tensors(4))
     WeightSync(Disk(tmp_path), store)(WeightBundle.make_flat(1, buffer, layout))
     assert store.version == 1 and all(torch.equal(store.tensors[n], t) for n, t in _tensors(4).items())
+
+
+def test_verify_checks_a_flat_bundle_as_it_arrived_in_one_pass() -> None:
+    """`verify` (what a vLLM worker runs on an update) takes a flat bundle by its buffer's word sums against the
+    sender's: intact, it passes; any flipped bit of a tensor's bytes is refused naming that tensor; a stale version
+    or another layout is refused before the bytes are read."""
+    tensors = _tensors(5)
+    buffer, layout = _flat(tensors)
+    sent = WeightBundle.make_flat(4, buffer, layout)
+    expected = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+    verify(sent, expected, 3)
+    for name in ("a", "c", "d", "e"):
+        i = layout.names.index(name)
+        for byte in (layout.offsets[i], layout.offsets[i] + layout.nbytes(i) - 1):
+            arrived = buffer.clone()
+            arrived[byte] ^= 0x10
+            flat = Flat(arrived, layout, sent.flat.sums)
+            with pytest.raises(SyncError, match=f"^{name}: checksum mismatch"):
+                verify(WeightBundle(4, "full", layout.views(arrived), FlatChecksums(flat), flat), expected, 3)
+    with pytest.raises(SyncError, match="stale update"):
+        verify(sent, expected, 4)
+    with pytest.raises(SyncError, match="partial update"):
+        verify(sent, {**expected, "f": ((2,), torch.float32)}, 3)

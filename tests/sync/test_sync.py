@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksum
+from parity.sync.bundle import SyncError, TensorStore, WeightBundle, checksum, verify
+from parity.sync.flat import FlatLayout
 from parity.sync.group import StandaloneGroup, host_store
 from parity.sync.transports import (ALIGN, CudaIpc, Disk, Memory, SharedMemory, TorchDistributed, WeightSync, buckets,
                                      by_name)
@@ -132,7 +133,7 @@ def test_checksum_is_device_and_order_free_and_catches_one_bit() -> None:
     assert checksum(x.view(torch.int32)) != one and checksum(x[:4096].view(64, 64)) != checksum(x[:4096])
 
 
-def _dist_worker(index: int, init: str, out: str, world: int, standalone: bool, store: Any = None) -> None:
+def _dist_worker(index: int, init: str, out: str, world: int, standalone: bool, flat: bool, store: Any = None) -> None:
     rank = index + standalone  # standalone: rank 0 is the test's own process, which hosts the store
     if standalone:  # no default group at all: a trainer and servers that share no torch.distributed world
         host, port = init.split(":")
@@ -143,34 +144,48 @@ def _dist_worker(index: int, init: str, out: str, world: int, standalone: bool, 
     try:
         link = TorchDistributed(src=0, group=group, bucket_bytes=64 if standalone else 1 << 28)
         if rank == 0:
-            link.send(WeightBundle.make(7, _weights(7)))
+            link.send(_flat_bundle(7) if flat else WeightBundle.make(7, _weights(7)))
         else:
-            store = TensorStore(_weights(0), version=6)
-            store.apply(link.receive())
-            torch.save({"version": store.version, "sums": {n: checksum(t) for n, t in store.tensors.items()}},
-                       f"{out}.{rank}")
+            receiver = TensorStore(_weights(0), version=6)
+            bundle = link.receive()
+            verify(bundle, receiver.expected(), receiver.version)  # as a vLLM worker does
+            receiver.apply(bundle)
+            torch.save({"version": receiver.version, "flat": bundle.flat is not None,
+                        "sums": {n: checksum(t) for n, t in receiver.tensors.items()}}, f"{out}.{rank}")
     finally:
         if group is None:
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("standalone", [False, True], ids=["default-group", "standalone-group"])
-def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool) -> None:
+def _flat_bundle(version: int) -> WeightBundle:
+    """`_weights(version)` as a flat bundle (one buffer, each tensor 16-byte aligned: 80 bytes)."""
+    tensors = _weights(version)
+    layout = FlatLayout.of((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
+    buffer = layout.empty("cpu")
+    for name, view in layout.views(buffer).items():
+        view.copy_(tensors[name])
+    return WeightBundle.make_flat(version, buffer, layout)
+
+
+@pytest.mark.parametrize("standalone,flat", [(False, False), (True, False), (True, True)],
+                         ids=["default-group", "standalone-group", "standalone-flat"])
+def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool, flat: bool) -> None:
     """One sender, two receivers: each gets the bundle, verified, with every checksum; over the default group of a
     shared world (all tensors in one bucket), and over a `StandaloneGroup` in processes with no default group (64-byte
-    buckets: two tensors packed in one, one alone)."""
+    buckets: two tensors packed in one, one alone). A flat bundle arrives flat (its 80-byte buffer in a 64-byte and a
+    16-byte slice) and is verified by its word sums."""
     out, world = tmp_path / "received.pt", 3
     store = host_store() if standalone else None
     init = f"127.0.0.1:{store.port}" if store else f"file://{tmp_path / 'init'}"
-    ranks = mp.start_processes(_dist_worker, args=(init, str(out), world, standalone), nprocs=world - standalone,
-                               start_method="spawn", join=False)
+    ranks = mp.start_processes(_dist_worker, args=(init, str(out), world, standalone, flat),
+                               nprocs=world - standalone, start_method="spawn", join=False)
     if store:
-        _dist_worker(-1, init, str(out), world, standalone, store)
+        _dist_worker(-1, init, str(out), world, standalone, flat, store)
     while not ranks.join():  # each call returns as one more rank ends (raises if one failed)
         pass
     for rank in range(1, world):
         got = torch.load(f"{out}.{rank}")
-        assert got["version"] == 7
+        assert got["version"] == 7 and got["flat"] == flat
         assert got["sums"] == {n: checksum(t) for n, t in _weights(7).items()}
 
 
