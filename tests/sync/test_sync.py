@@ -167,6 +167,13 @@ def _flat_bundle(version: int) -> WeightBundle:
     return WeightBundle.make_flat(version, buffer, layout)
 
 
+def test_a_hosted_store_serves_rank_0_on_the_port_the_ranks_were_given() -> None:
+    store = host_store()
+    for rank, port in ((1, store.port), (0, store.port ^ 1)):
+        with pytest.raises(ValueError, match="a hosted store is rank 0's, on the group's port"):
+            StandaloneGroup("127.0.0.1", port, rank, 2, store=store)
+
+
 @pytest.mark.parametrize("standalone,flat", [(False, False), (True, False), (True, True)],
                          ids=["default-group", "standalone-group", "standalone-flat"])
 def test_torch_distributed_transport_gloo(tmp_path: Path, standalone: bool, flat: bool) -> None:
