@@ -245,7 +245,8 @@ def driver(args: argparse.Namespace) -> int:
         def devices(ids: range) -> dict[str, str]:
             return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if cuda() else {}
 
-        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k), "--standalone",
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k),
+                                   "--standalone",
                                    *role_argv(args, "trainer", checkpoint, address, out)],
                                   env={**env, **devices(range(k))}, start_new_session=True)]
         procs += [subprocess.Popen([sys.executable, *role_argv(args, "rollout", checkpoint, address, out),
